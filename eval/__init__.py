@@ -1,0 +1,1 @@
+"""Evaluation of artifacts: perplexity under one recorded protocol, vLLM smoke loads, reports."""

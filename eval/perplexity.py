@@ -1,0 +1,77 @@
+"""Perplexity under one fixed, recorded protocol.
+
+Default protocol (the GPTQ/AWQ papers'): the text's rows joined with "\n\n" (the bundled WikiText-2 file
+is already joined so), tokenized once without special tokens, cut into non-overlapping `seq_len`-token
+windows, tail dropped, no extra BOS; perplexity = exp(mean token NLL) over every predicted token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+BUNDLED = {"wikitext2": DATA_DIR / "wikitext2-raw-test.txt"}
+
+
+@dataclass(frozen=True)
+class Protocol:
+    dataset: str = "wikitext2"
+    seq_len: int = 2048
+    max_windows: int | None = None  # None = every full window
+    join: str = "\n\n"
+    add_bos: bool = False
+    stride: str = "non-overlapping"
+    tail: str = "dropped"
+
+
+def load_eval_text(dataset: str) -> tuple[str, str]:
+    """'wikitext2' or a local .txt path -> (text, source)."""
+    path = BUNDLED.get(dataset, Path(dataset))
+    if not path.is_file():
+        raise FileNotFoundError(f"perplexity dataset {dataset!r}: use wikitext2 or a local .txt file")
+    return path.read_text(encoding="utf-8"), str(path)
+
+
+def windows(tokenizer, text: str, protocol: Protocol) -> torch.Tensor:
+    """text -> token windows [n_windows, seq_len]."""
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    n = ids.numel() // protocol.seq_len
+    if protocol.max_windows is not None:
+        n = min(n, protocol.max_windows)
+    if n == 0:
+        raise ValueError(f"text has {ids.numel()} tokens, fewer than one window of {protocol.seq_len}")
+    return ids[: n * protocol.seq_len].reshape(n, protocol.seq_len)  # [n, seq]
+
+
+@torch.no_grad()
+def perplexity(model, wins: torch.Tensor, progress_every: int = 10) -> dict:
+    """Token-level exp(mean NLL) over windows [n, seq] -> {ppl, nll_sum, tokens, per_window_nll, seconds}."""
+    device = next(model.parameters()).device
+    nll_sum, tokens, per_window = 0.0, 0, []
+    t0 = time.perf_counter()
+    for i, w in enumerate(wins):
+        ids = w.unsqueeze(0).to(device)  # [1, seq]
+        logits = model(input_ids=ids, use_cache=False).logits.float()  # [1, seq, vocab]
+        nll = F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum").item()
+        nll_sum += nll
+        tokens += ids.shape[1] - 1
+        per_window.append(nll / (ids.shape[1] - 1))
+        if (i + 1) % progress_every == 0 or i + 1 == len(wins):
+            log.info("perplexity window %d/%d: running ppl %.4f", i + 1, len(wins), math.exp(nll_sum / tokens))
+    return {"ppl": math.exp(nll_sum / tokens), "nll_sum": nll_sum, "tokens": tokens,
+            "per_window_nll": per_window, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def protocol_record(protocol: Protocol, text: str, source: str, wins: torch.Tensor) -> dict:
+    return {**asdict(protocol), "source": source, "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "windows": int(wins.shape[0]), "tokens_scored": int(wins.shape[0] * (wins.shape[1] - 1))}

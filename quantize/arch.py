@@ -1,0 +1,120 @@
+"""Architecture knowledge as data: the ONLY model-aware file.
+
+Each supported `config.architectures[0]` maps to a table that names the decoder-layer list, the linears
+inside a decoder layer, the AWQ scaling groups (which op feeds which linears, and which module's output
+the search measures), and the linears vLLM fuses (they must be converted all-or-none).
+Adding a model = one entry here + a tiny-config test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class ScaleGroup:
+    """AWQ scaling group: `prev` feeds `linears`; the search loss is measured on `inspect`'s output."""
+
+    prev: str  # a norm or a linear inside the decoder layer
+    linears: tuple[str, ...]
+    inspect: str  # module whose output the loss is measured on ("" = the single linear itself)
+    inspect_takes_layer_kwargs: bool = False  # attention needs position embeddings / mask
+    only_if_square: bool = False  # v_proj -> o_proj only when shapes allow (not with grouped-query attention)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Where things are in one family of decoder-only models."""
+
+    layers: str  # dotted path of the ModuleList of decoder layers
+    embed: str
+    final_norm: str
+    lm_head: str
+    rotary: str | None
+    linears: tuple[str, ...]  # quantizable linears of one decoder layer, in execution order
+    scale_groups: tuple[ScaleGroup, ...]
+    fused: tuple[tuple[str, ...], ...]  # linears vLLM loads as one (convert all or none)
+    no_clip: tuple[str, ...]  # AWQ skips clipping these (their outputs go through softmax)
+
+
+_LLAMA_LIKE = Arch(
+    layers="model.layers",
+    embed="model.embed_tokens",
+    final_norm="model.norm",
+    lm_head="lm_head",
+    rotary="model.rotary_emb",
+    linears=(
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ),
+    scale_groups=(
+        ScaleGroup(
+            prev="input_layernorm",
+            linears=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            inspect="self_attn",
+            inspect_takes_layer_kwargs=True,
+        ),
+        ScaleGroup(prev="self_attn.v_proj", linears=("self_attn.o_proj",), inspect="", only_if_square=True),
+        ScaleGroup(prev="post_attention_layernorm", linears=("mlp.gate_proj", "mlp.up_proj"), inspect="mlp"),
+        ScaleGroup(prev="mlp.up_proj", linears=("mlp.down_proj",), inspect=""),
+    ),
+    fused=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")),
+    no_clip=("self_attn.q_proj", "self_attn.k_proj"),
+)
+
+# Qwen3 adds q_norm/k_norm after q_proj/k_proj (per head): AWQ's input-side scaling is unaffected.
+ARCHITECTURES: dict[str, Arch] = {
+    "LlamaForCausalLM": _LLAMA_LIKE,
+    "MistralForCausalLM": _LLAMA_LIKE,
+    "Qwen2ForCausalLM": _LLAMA_LIKE,
+    "Qwen3ForCausalLM": _LLAMA_LIKE,
+}
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
+
+
+def arch_for(config) -> Arch:
+    """config.architectures -> table; an unknown architecture is an error naming the supported ones."""
+    names = list(getattr(config, "architectures", None) or [])
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    raise UnsupportedArchitecture(
+        f"architecture {names or '(none in config.json)'} is not supported; "
+        f"supported: {', '.join(sorted(ARCHITECTURES))}"
+    )
+
+
+def get_module(root: nn.Module, dotted: str) -> nn.Module:
+    return root.get_submodule(dotted) if dotted else root
+
+
+def decoder_layers(model: nn.Module, arch: Arch) -> nn.ModuleList:
+    return get_module(model, arch.layers)
+
+
+def layer_prefix(arch: Arch, index: int) -> str:
+    """Checkpoint name prefix of decoder layer `index`: 'model.layers.3'."""
+    return f"{arch.layers}.{index}"
+
+
+def active_scale_groups(layer: nn.Module, arch: Arch) -> list[ScaleGroup]:
+    """The scale groups that apply to this layer (drops v->o under grouped-query attention)."""
+    groups = []
+    for g in arch.scale_groups:
+        if g.only_if_square:
+            prev = get_module(layer, g.prev)
+            nxt = get_module(layer, g.linears[0])
+            if prev.weight.shape != nxt.weight.shape:
+                continue
+        groups.append(g)
+    return groups

@@ -1,0 +1,136 @@
+"""Calibration text: resolve a dataset name to text, then cut it into seeded token blocks.
+
+`pileval` and `wikitext2` resolve to their Hugging Face datasets when the hub is reachable and to the
+bundled files in data/ when it is not (HF_HUB_OFFLINE=1 or no network). Local .txt/.jsonl/.parquet
+paths always work; .jsonl/.parquet go through `datasets`. What was used, and its sha256, is returned
+so the manifest can record it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+
+# name -> (hub dataset, subset, default split, bundled offline file)
+KNOWN = {
+    "pileval": ("mit-han-lab/pile-val-backup", None, "validation", "calib-pile-mix.txt"),
+    "wikitext2": ("wikitext", "wikitext-2-raw-v1", "test", "wikitext2-raw-test.txt"),
+}
+
+
+class CalibrationError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class CalibText:
+    """Documents of calibration text and where they came from."""
+
+    documents: list[str]
+    source: str  # what was actually read: a file path or "hub:<id>[/<subset>]:<split>"
+    sha256: str  # of the documents joined with "\n\n"
+
+
+def _sha(docs: list[str]) -> str:
+    return hashlib.sha256("\n\n".join(docs).encode()).hexdigest()
+
+
+def _split_paragraphs(text: str) -> list[str]:
+    return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+
+
+def _from_hub(dataset: str, subset: str | None, split: str, column: str, max_docs: int | None) -> list[str]:
+    import datasets
+
+    ds = datasets.load_dataset(dataset, subset, split=split)
+    if column not in ds.column_names:
+        raise CalibrationError(
+            f"calibration.text_column {column!r} is not a column of {dataset}; columns: {ds.column_names}"
+        )
+    texts = ds[column] if max_docs is None else ds.select(range(min(max_docs, len(ds))))[column]
+    return [t for t in texts if isinstance(t, str) and t.strip()]
+
+
+def _from_file(path: Path, column: str) -> list[str]:
+    if path.suffix == ".txt":
+        return _split_paragraphs(path.read_text(encoding="utf-8"))
+    if path.suffix in (".jsonl", ".json", ".parquet"):
+        import datasets
+
+        kind = "parquet" if path.suffix == ".parquet" else "json"
+        ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        if column not in ds.column_names:
+            raise CalibrationError(
+                f"calibration.text_column {column!r} is not a column of {path}; columns: {ds.column_names}"
+            )
+        return [t for t in ds[column] if isinstance(t, str) and t.strip()]
+    raise CalibrationError(f"calibration.dataset {str(path)!r}: use a .txt, .jsonl or .parquet file")
+
+
+def load_text(dataset: str, split: str | None = None, subset: str | None = None, column: str = "text") -> CalibText:
+    """A dataset name, hub id or local path -> CalibText."""
+    path = Path(dataset)
+    if path.suffix in (".txt", ".jsonl", ".json", ".parquet"):
+        if not path.is_file():
+            raise CalibrationError(f"calibration.dataset: file {path} does not exist")
+        docs = _from_file(path, column)
+        return CalibText(docs, str(path.resolve()), _sha(docs))
+    if dataset in KNOWN:
+        hub_id, hub_subset, hub_split, bundled = KNOWN[dataset]
+        if not _offline():
+            try:
+                docs = _from_hub(hub_id, subset or hub_subset, split or hub_split, column, None)
+                return CalibText(docs, f"hub:{hub_id}/{subset or hub_subset}:{split or hub_split}", _sha(docs))
+            except Exception as e:  # hub unreachable: the bundled copy is the documented fallback
+                log.warning("calibration: %s not reachable on the hub (%s); using bundled %s", hub_id, e, bundled)
+        docs = _split_paragraphs((DATA_DIR / bundled).read_text(encoding="utf-8"))
+        return CalibText(docs, str(DATA_DIR / bundled), _sha(docs))
+    if _offline():
+        raise CalibrationError(
+            f"calibration.dataset {dataset!r} is a hub dataset but HF_HUB_OFFLINE=1; use pileval, wikitext2 "
+            f"or a local .txt/.jsonl/.parquet path"
+        )
+    try:
+        docs = _from_hub(dataset, subset, split or "train", column, None)
+    except CalibrationError:
+        raise
+    except Exception as e:
+        raise CalibrationError(f"calibration.dataset {dataset!r} could not be loaded from the hub: {e}") from None
+    return CalibText(docs, f"hub:{dataset}/{subset}:{split or 'train'}", _sha(docs))
+
+
+def make_samples(docs: list[str], tokenizer, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """Shuffle documents with `seed`, tokenize, concatenate and cut: -> input_ids [n_samples, seq_len].
+
+    Documents are joined with the tokenizer's EOS token between them (as AutoAWQ concatenates pile
+    samples); no BOS is added to blocks.
+    """
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    need = n_samples * seq_len
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    for i in order:
+        ids.extend(tokenizer(docs[i], add_special_tokens=False)["input_ids"] + eos)
+        if len(ids) >= need:
+            break
+    if len(ids) < need:
+        raise CalibrationError(
+            f"calibration text has {len(ids)} tokens but n_samples x seq_len = {n_samples} x {seq_len} = {need}; "
+            f"lower calibration.n_samples or calibration.seq_len, or use a longer text"
+        )
+    return torch.tensor(ids[:need], dtype=torch.long).reshape(n_samples, seq_len)  # [n, seq]

@@ -1,0 +1,153 @@
+"""Write an artifact directory atomically: sharded safetensors, config, tokenizer, recipe, manifest.
+
+Everything is written into a temporary sibling directory, fsynced, and renamed into place, so an
+interrupted run never leaves a directory that looks finished. The manifest records the sha256 of every
+file, so a reader can verify the artifact before trusting it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from .recipe import parse_size
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+
+
+class OutputExistsError(FileExistsError):
+    pass
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def write_sharded(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> list[str]:
+    """Write safetensors shards (model.safetensors, or model-0000i-of-0000n + index) -> file names."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        if shards[-1] and size + _nbytes(t) > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += _nbytes(t)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, shard in zip(names, shards):
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(_nbytes(t) for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return [*names, "model.safetensors.index.json"]
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_hashes(root: Path) -> dict[str, dict]:
+    """Every file under root except the manifest -> {sha256, bytes}."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            out[str(p.relative_to(root))] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    return out
+
+
+def atomic_write_dir(out: Path, fill: Callable[[Path], dict], force: bool = False) -> Path:
+    """Call fill(tmp_dir) -> manifest extras; add file hashes; fsync; rename tmp_dir to `out`."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise OutputExistsError(f"output {out} already exists; remove it or pass --force (make ... FORCE=1)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        extras = fill(tmp)
+        manifest = {**extras, "files": file_hashes(tmp)}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        _fsync_tree(tmp)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def build_state_dict(model, quantized: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype,
+                     drop: set[str]) -> dict[str, torch.Tensor]:
+    """The model's tensors with each quantized linear's `.weight` replaced by its packed tensors.
+
+    quantized: module name -> {tensor suffix: packed tensor}; drop: names not written (tied lm_head).
+    Floating tensors are cast to `dtype`; packed integer tensors keep theirs.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if name in drop or name.removesuffix(".weight") in quantized and name.endswith(".weight"):
+            continue
+        out[name] = t.detach().to("cpu", dtype) if t.is_floating_point() else t.detach().cpu()
+    for module, packed in quantized.items():
+        for suffix, t in packed.items():
+            out[f"{module}.{suffix}"] = t.to(dtype) if t.is_floating_point() else t
+    return out
+
+
+def write_model_dir(tmp: Path, model, tensors: dict[str, torch.Tensor], quantization_config: dict,
+                    dtype: torch.dtype, source_dir: Path, copy_files: tuple[str, ...], recipe_dict: dict,
+                    max_shard_size: str) -> list[str]:
+    """Fill an artifact directory: weights, config.json, tokenizer files, recipe.yaml -> files copied."""
+    write_sharded(tensors, tmp, parse_size(max_shard_size))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["quantization_config"] = quantization_config
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    copied = []
+    for fname in copy_files:
+        if (source_dir / fname).is_file():
+            shutil.copy2(source_dir / fname, tmp / fname)
+            copied.append(fname)
+    (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
+    return copied

@@ -1,0 +1,79 @@
+"""Group-wise integer quantization primitives (fake-quant, qparams, codes).
+
+Granularity: one (scale, zero) pair per `group` consecutive input columns of each output row.
+
+| function      | in                          | out                                             |
+|---------------|-----------------------------|-------------------------------------------------|
+| qparams       | w [out, in]                 | scales [out, in // g], zeros [out, in // g] int |
+| quantize      | w, scales, zeros            | codes [out, in] uint8 in [0, 2^b - 1]           |
+| dequantize    | codes, scales, zeros        | w_hat [out, in]: (q - z) * s                    |
+| fake_quant    | w [out, in]                 | dequantize(quantize(w))                         |
+
+Asymmetric (zero_point=True): s = (max - min) / (2^b - 1), z = round(-min / s).
+Symmetric (zero_point=False): s = absmax / (2^(b-1) - 1), z = 2^(b-1) for every group (the value vLLM
+assumes for AutoAWQ GEMM without zero points and for symmetric GPTQ).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _grouped(w: torch.Tensor, group: int) -> torch.Tensor:
+    out, inp = w.shape
+    assert inp % group == 0, f"in={inp} not divisible by group {group}"
+    return w.reshape(out, inp // group, group)  # [out, n_group, g]
+
+
+def qparams(w: torch.Tensor, w_bit: int, group: int, zero_point: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [out, in] -> scales: [out, in // g] (fp32), zeros: [out, in // g] (int32)."""
+    wg = _grouped(w.float(), group)  # [out, n_group, g]
+    if zero_point:
+        max_int = 2**w_bit - 1
+        w_max = wg.amax(dim=-1)
+        w_min = wg.amin(dim=-1)
+        scales = (w_max - w_min).clamp(min=1e-5) / max_int
+        zeros = (-torch.round(w_min / scales)).clamp(0, max_int)
+    else:
+        scales = wg.abs().amax(dim=-1).clamp(min=1e-5) / (2 ** (w_bit - 1) - 1)
+        zeros = torch.full_like(scales, 2 ** (w_bit - 1))
+    return scales, zeros.to(torch.int32)
+
+
+def quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, w_bit: int) -> torch.Tensor:
+    """w: [out, in], scales/zeros: [out, in // g] -> codes: [out, in] uint8 in [0, 2^b - 1]."""
+    out, inp = w.shape
+    group = inp // scales.shape[1]
+    wg = _grouped(w.float(), group)  # [out, n_group, g]
+    q = torch.round(wg / scales.float().unsqueeze(-1)) + zeros.float().unsqueeze(-1)
+    q = q.clamp(0, 2**w_bit - 1)
+    return q.reshape(out, inp).to(torch.uint8)  # [out, in]
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """codes: [out, in], scales/zeros: [out, in // g] -> w_hat: [out, in] fp32, (q - z) * s."""
+    out, inp = codes.shape
+    group = inp // scales.shape[1]
+    q = _grouped(codes.float(), group)  # [out, n_group, g]
+    w = (q - zeros.float().unsqueeze(-1)) * scales.float().unsqueeze(-1)
+    return w.reshape(out, inp)
+
+
+def fake_quant(w: torch.Tensor, w_bit: int, group: int, zero_point: bool) -> torch.Tensor:
+    """w: [out, in] -> the weight the quantized model computes with, same shape and dtype as w."""
+    scales, zeros = qparams(w, w_bit, group, zero_point)
+    return dequantize(quantize(w, scales, zeros, w_bit), scales, zeros).to(w.dtype)
+
+
+def quantize_for_export(
+    w: torch.Tensor, w_bit: int, group: int, zero_point: bool, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w: [out, in] -> (codes uint8 [out, in], scales [out, in // g] in scale_dtype, zeros int32 [out, in // g]).
+
+    Scales are rounded to the stored dtype *before* the codes are computed, so dequantizing the stored
+    tensors gives exactly the weight the codes were chosen for.
+    """
+    scales, zeros = qparams(w, w_bit, group, zero_point)
+    scales = scales.to(scale_dtype)
+    codes = quantize(w, scales, zeros, w_bit)
+    return codes, scales, zeros

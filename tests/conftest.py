@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny models built from configs (no download), a tiny tokenizer trained on bundled text."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def build_tokenizer(out: Path, vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained on a slice of the bundled calibration text (fast, offline)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = (ROOT / "data" / "calib-pile-mix.txt").read_text(encoding="utf-8")[:200_000]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text.split("\n\n"), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out)
+    return fast
+
+
+TINY = {
+    "llama": dict(cls="LlamaConfig", extra={}),
+    "qwen2": dict(cls="Qwen2Config", extra={}),
+    "qwen3": dict(cls="Qwen3Config", extra={"head_dim": 64}),
+    "mistral": dict(cls="MistralConfig", extra={"sliding_window": None}),
+}
+
+
+def build_tiny_model(out: Path, kind: str = "llama", hidden: int = 256, intermediate: int = 512, layers: int = 2,
+                     heads: int = 4, kv_heads: int = 2, vocab: int = 512, seed: int = 0,
+                     tie: bool = False) -> Path:
+    """A random-init decoder-only model saved as safetensors with a tokenizer; logits are far from uniform."""
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out, vocab)
+    cfg_cls = getattr(transformers, TINY[kind]["cls"])
+    cfg = cfg_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                  initializer_range=0.08, tie_word_embeddings=tie, bos_token_id=tok.bos_token_id,
+                  eos_token_id=tok.eos_token_id, **TINY[kind]["extra"])
+    cfg.architectures = [cfg_cls.__name__.replace("Config", "ForCausalLM")]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # a few strong input channels, as real activations have: gives AWQ something to find
+        for layer in model.model.layers:
+            idx = torch.randperm(hidden)[:4]
+            layer.input_layernorm.weight[idx] *= 8
+            layer.post_attention_layernorm.weight[idx] *= 8
+    model.to(torch.float16).save_pretrained(out)
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, do_sample=False).save_pretrained(out)
+    return out
+
+
+def write_recipe(path: Path, **keys) -> Path:
+    import yaml
+
+    keys.setdefault("name", path.stem)
+    path.write_text(yaml.safe_dump(keys, sort_keys=False))
+    return path
+
+
+def tiny_recipe(tmp: Path, model_dir: Path, name: str = "tiny-awq", **over) -> Path:
+    keys = dict(name=name, model=str(model_dir), method="awq", w_bit=4, q_group_size=64, zero_point=True,
+                version="gemm", calibration=dict(dataset="pileval", n_samples=8, seq_len=64, seed=0),
+                awq=dict(n_grid=10, clip_grid=10), dtype="float16", device="cpu", batch_size=4)
+    keys.update(over)
+    return write_recipe(tmp / f"{name}.yaml", **keys)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")

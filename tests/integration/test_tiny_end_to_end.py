@@ -1,0 +1,156 @@
+"""Tiny random-init models (built from configs, no download) quantized end to end on the CPU."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from eval.artifact import dequantized_state_dict, load_dequantized
+from quantize import export, runner
+from quantize.arch import UnsupportedArchitecture
+from quantize.formats import awq_gemm
+from tests.conftest import build_tiny_model, tiny_recipe
+
+
+@pytest.fixture(scope="module")
+def llama_artifact(tiny_llama, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("llama-run")
+    return runner.run(tiny_recipe(tmp, tiny_llama), out_root=tmp / "artifacts")
+
+
+def test_artifact_layout(llama_artifact, tiny_llama):
+    out = llama_artifact
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
+                                          "version": "gemm", "modules_to_not_convert": ["lm_head"]}
+    with safe_open(str(out / "model.safetensors"), "pt") as st:
+        keys = set(st.keys())
+        q = "model.layers.0.self_attn.q_proj"
+        assert {f"{q}.qweight", f"{q}.qzeros", f"{q}.scales"} <= keys and f"{q}.weight" not in keys
+        assert st.get_tensor(f"{q}.qweight").shape == (256, 256 // 8)
+        assert st.get_tensor(f"{q}.qzeros").shape == (256 // 64, 256 // 8)
+        assert st.get_tensor(f"{q}.scales").dtype == torch.float16
+        assert st.get_tensor("model.layers.1.mlp.down_proj.qweight").shape == (512, 256 // 8)
+        assert st.get_tensor("lm_head.weight").dtype == torch.float16  # not converted
+    # tokenizer and generation config copied byte for byte
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / f).read_bytes() == (tiny_llama / f).read_bytes()
+    assert (out / "recipe.yaml").is_file()
+
+
+def test_manifest_hashes_every_file(llama_artifact):
+    m = json.loads((llama_artifact / "manifest.json").read_text())
+    files = {p.name for p in llama_artifact.iterdir() if p.name != "manifest.json"}
+    assert set(m["files"]) == files
+    for name, rec in m["files"].items():
+        assert export.sha256_file(llama_artifact / name) == rec["sha256"]
+    assert m["calibration"]["source"].endswith("calib-pile-mix.txt") and len(m["calibration"]["sha256"]) == 64
+    assert {"preflight", "load", "calibrate", "quantize"} <= set(m["timings_s"])
+    assert m["versions"]["torch"] and "commit" in m["git"]
+    assert m["quantized_modules"] == 14
+
+
+def test_awq_search_never_worse_than_rtn(llama_artifact):
+    m = json.loads((llama_artifact / "manifest.json").read_text())
+    for layer in m["awq_search"].values():
+        for g in layer.values():
+            assert g["loss"] <= g["loss_rtn"]
+
+
+def _kl(ref, model, ids):
+    with torch.no_grad():
+        a = torch.log_softmax(ref(ids).logits.float(), -1)
+        b = torch.log_softmax(model(ids).logits.float(), -1)
+    return (a.exp() * (a - b)).sum(-1).mean().item()
+
+
+def test_awq_artifact_closer_to_source_than_rtn(llama_artifact, tiny_llama, tmp_path):
+    """Decoded from its packed tensors, the AWQ artifact is closer (KL) to the source than round-to-nearest."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    rtn = runner.run(tiny_recipe(tmp_path, tiny_llama, name="tiny-rtn-kl", method="rtn"), out_root=tmp_path / "a")
+    ids = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
+    kl_awq, kl_rtn = _kl(ref, load_dequantized(llama_artifact), ids), _kl(ref, load_dequantized(rtn), ids)
+    assert kl_awq < kl_rtn, (kl_awq, kl_rtn)
+    assert kl_awq < 0.5  # 4-bit moves the output, but not to noise
+
+
+def test_reproducible(llama_artifact, tiny_llama, tmp_path):
+    again = runner.run(tiny_recipe(tmp_path, tiny_llama), out_root=tmp_path / "artifacts")
+    a = json.loads((llama_artifact / "manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
+    b = json.loads((again / "manifest.json").read_text())["files"]["model.safetensors"]["sha256"]
+    assert a == b
+
+
+def test_existing_output_refused_and_untouched(llama_artifact, tiny_llama, tmp_path):
+    recipe = tiny_recipe(tmp_path, tiny_llama)
+    before = (llama_artifact / "manifest.json").read_bytes()
+    with pytest.raises(export.OutputExistsError, match="--force"):
+        runner.run(recipe, out_root=llama_artifact.parent)
+    assert (llama_artifact / "manifest.json").read_bytes() == before
+
+
+def test_failure_during_export_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(export, "write_sharded", boom)
+    with pytest.raises(OSError, match="No space"):
+        runner.run(tiny_recipe(tmp_path, tiny_llama), out_root=tmp_path / "artifacts")
+    assert list((tmp_path / "artifacts").iterdir()) == []
+
+
+def test_sharded_output(tiny_qwen2, tmp_path):
+    out = runner.run(tiny_recipe(tmp_path, tiny_qwen2, name="tiny-shard", max_shard_size="300KB"),
+                     out_root=tmp_path / "artifacts")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)
+    state, _ = dequantized_state_dict(out)
+    assert "model.layers.0.self_attn.q_proj.bias" in state  # Qwen2 q/k/v biases kept
+
+
+def test_rtn_method(tiny_llama, tmp_path):
+    out = runner.run(tiny_recipe(tmp_path, tiny_llama, name="tiny-rtn", method="rtn"), out_root=tmp_path / "a")
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["calibration"] is None and m["quantized_modules"] == 14
+
+
+def test_unknown_architecture(tmp_path, tiny_llama):
+    import shutil
+
+    d = tmp_path / "gpt2ish"
+    shutil.copytree(tiny_llama, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["FancyNewForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitecture, match="LlamaForCausalLM.*Qwen2ForCausalLM"):
+        runner.run(tiny_recipe(tmp_path, d), out_root=tmp_path / "a")
+
+
+def test_indivisible_group_is_named(tmp_path):
+    d = build_tiny_model(tmp_path / "m96", "llama", hidden=192, intermediate=384, heads=3, kv_heads=1)
+    with pytest.raises(runner.PreflightError, match=r"in_features 192 is not divisible by q_group_size 128.*\[32, 64\]"):
+        runner.run(tiny_recipe(tmp_path, d, q_group_size=128), out_root=tmp_path / "a")
+
+
+def test_partial_fused_skip_refused(tmp_path, tiny_llama):
+    with pytest.raises(runner.PreflightError, match="must skip all of them or none"):
+        runner.run(tiny_recipe(tmp_path, tiny_llama, modules_to_not_convert=["lm_head", "layers.0.self_attn.q_proj"]),
+                   out_root=tmp_path / "a")
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mistral"])
+def test_other_architectures(kind, tmp_path):
+    d = build_tiny_model(tmp_path / kind, kind, layers=1)
+    out = runner.run(tiny_recipe(tmp_path, d, name=f"tiny-{kind}"), out_root=tmp_path / "a")
+    assert load_dequantized(out) is not None
+
+
+def test_symmetric_writes_zero_8(tmp_path, tiny_llama):
+    out = runner.run(tiny_recipe(tmp_path, tiny_llama, name="tiny-sym", zero_point=False), out_root=tmp_path / "a")
+    with safe_open(str(out / "model.safetensors"), "pt") as st:
+        z = awq_gemm.unpack_int4_cols(st.get_tensor("model.layers.0.mlp.up_proj.qzeros"))
+    assert (z == 8).all()

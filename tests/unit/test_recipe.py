@@ -1,0 +1,82 @@
+import pytest
+
+from quantize.recipe import RecipeError, list_recipes, load_recipe
+from tests.conftest import write_recipe
+
+BASE = dict(model="some/model", method="awq", w_bit=4, q_group_size=128, zero_point=True, version="gemm")
+
+
+@pytest.mark.parametrize("name", list_recipes())
+def test_every_shipped_recipe_parses(name):
+    r = load_recipe(name)
+    assert r.name == name
+
+
+def test_shipped_recipes_include_the_required_ones():
+    names = set(list_recipes())
+    assert {"qwen7b-awq-g128", "qwen7b-awq-g64", "qwen7b-awq-g32", "smollm2-awq-g64"} <= names
+    seed = load_recipe("qwen7b-awq-g128")
+    assert (seed.model, seed.w_bit, seed.q_group_size, seed.zero_point, seed.version) == (
+        "Qwen/Qwen2.5-7B-Instruct", 4, 128, True, "gemm")
+    assert (seed.calibration.dataset, seed.calibration.n_samples, seed.calibration.seq_len) == ("pileval", 128, 512)
+    assert load_recipe("qwen7b-awq-g32").q_group_size == 32
+
+
+def _err(tmp_path, **keys) -> str:
+    p = write_recipe(tmp_path / "r.yaml", **{**BASE, **keys})
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p)
+    return str(e.value)
+
+
+def test_unknown_key_names_key_and_allowed(tmp_path):
+    msg = _err(tmp_path, w_bits=4)
+    assert "`w_bits`" in msg and "unknown key" in msg and "w_bit" in msg
+
+
+def test_unknown_nested_key(tmp_path):
+    msg = _err(tmp_path, calibration={"n_sample": 4})
+    assert "calibration.n_sample" in msg and "n_samples" in msg
+
+
+def test_gemv_refused_with_reason(tmp_path):
+    msg = _err(tmp_path, version="gemv")
+    assert "version 'gemv'" in msg and "vLLM" in msg and "gemm" in msg
+
+
+def test_awq_w_bit_3_refused(tmp_path):
+    msg = _err(tmp_path, w_bit=3)
+    assert "w_bit 3" in msg and "[4]" in msg
+
+
+def test_bad_group_and_values(tmp_path):
+    assert "q_group_size 100" in _err(tmp_path, q_group_size=100)
+    assert "calibration.n_samples" in _err(tmp_path, calibration={"n_samples": 0})
+    assert "`method`" in _err(tmp_path, method="squeeze")
+    assert "`dtype`" in _err(tmp_path, dtype="float32")
+
+
+def test_name_must_equal_stem(tmp_path):
+    p = write_recipe(tmp_path / "r.yaml", **{**BASE, "name": "other"})
+    with pytest.raises(RecipeError, match="file stem 'r'"):
+        load_recipe(p)
+
+
+def test_inheritance_merges_nested(tmp_path):
+    write_recipe(tmp_path / "parent.yaml", **BASE, calibration={"n_samples": 16, "seq_len": 256})
+    child = write_recipe(tmp_path / "child.yaml", base="parent.yaml", q_group_size=64, calibration={"seed": 7})
+    r = load_recipe(child)
+    assert r.q_group_size == 64 and r.model == "some/model"
+    assert (r.calibration.n_samples, r.calibration.seq_len, r.calibration.seed) == (16, 256, 7)
+
+
+def test_inheritance_cycle(tmp_path):
+    write_recipe(tmp_path / "a.yaml", **BASE, base="b.yaml")
+    write_recipe(tmp_path / "b.yaml", **BASE, base="a.yaml")
+    with pytest.raises(RecipeError, match="loops"):
+        load_recipe(tmp_path / "a.yaml")
+
+
+def test_missing_recipe_lists_known():
+    with pytest.raises(RecipeError, match="known recipes: .*smollm2-awq-g64"):
+        load_recipe("does-not-exist")
