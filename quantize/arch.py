@@ -37,6 +37,8 @@ class Arch:
     scale_groups: tuple[ScaleGroup, ...]
     fused: tuple[tuple[str, ...], ...]  # linears vLLM loads as one (convert all or none)
     no_clip: tuple[str, ...]  # AWQ skips clipping these (their outputs go through softmax)
+    sequential: tuple[tuple[str, ...], ...]  # GPTQ true-sequential stages, in execution order
+    row_parallel: tuple[str, ...]  # linears whose *input* dimension tensor parallelism splits
 
 
 _LLAMA_LIKE = Arch(
@@ -67,6 +69,13 @@ _LLAMA_LIKE = Arch(
     ),
     fused=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")),
     no_clip=("self_attn.q_proj", "self_attn.k_proj"),
+    sequential=(
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        ("self_attn.o_proj",),
+        ("mlp.gate_proj", "mlp.up_proj"),
+        ("mlp.down_proj",),
+    ),
+    row_parallel=("self_attn.o_proj", "mlp.down_proj"),
 )
 
 # Qwen3 adds q_norm/k_norm after q_proj/k_proj (per head): AWQ's input-side scaling is unaffected.

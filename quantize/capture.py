@@ -130,7 +130,10 @@ def run_layerwise(
         layer = layers[i]
         storage_dtype = next(layer.parameters()).dtype
         layer.to(device, compute_dtype)
-        outs, feats = forward_with_features(layer, inputs, kwargs, feature_names(layer))
+        names = feature_names(layer)
+        outs, feats = None, {}
+        if names or propagate == "fp":
+            outs, feats = forward_with_features(layer, inputs, kwargs, names)
         process(LayerData(i, layer, inputs, kwargs, feats))
         del feats
         if propagate == "quantized":

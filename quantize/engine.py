@@ -2,7 +2,7 @@
 
 The result of quantizing is data: for every converted linear, its integer codes, scales and zero points
 (`QuantResult`). The in-memory model is left holding the dequantized weights, so it computes exactly what
-the exported artifact computes.
+the exported artifact computes. `convert` is the set of full module names the pre-flight plan approved.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from . import awq
+from . import awq, gptq
 from .arch import Arch, active_scale_groups, decoder_layers, layer_prefix
-from .capture import LayerData, run_layerwise
+from .capture import LayerData, layer_forward, run_layerwise
 from .primitives import dequantize, quantize_for_export
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class QuantResult:
-    """One converted linear: codes [out, in] uint8, scales [out, in // g], zeros [out, in // g] int32."""
+    """One converted linear: codes [out, in] uint8, scales [out, n_group] (stored dtype), zeros int32."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -35,10 +35,10 @@ def is_skipped(name: str, modules_to_not_convert: tuple[str, ...]) -> bool:
     return any(m in name for m in modules_to_not_convert)
 
 
-def converted_linears(arch: Arch, index: int, modules_to_not_convert: tuple[str, ...]) -> list[str]:
-    """Names (relative to the decoder layer) of the linears of layer `index` that get quantized."""
+def _local(arch: Arch, index: int, convert: set[str]) -> list[str]:
+    """Linears of layer `index` (names relative to the layer) that the plan converts, in execution order."""
     prefix = layer_prefix(arch, index)
-    return [n for n in arch.linears if not is_skipped(f"{prefix}.{n}", modules_to_not_convert)]
+    return [n for n in arch.linears if f"{prefix}.{n}" in convert]
 
 
 def _feature_of(arch: Arch) -> dict[str, str]:
@@ -50,14 +50,20 @@ def _feature_of(arch: Arch) -> dict[str, str]:
     return out
 
 
-def _finalize(layer: nn.Module, names: list[str], spec: awq.QSpec, scale_dtype: torch.dtype, prefix: str,
-              results: dict[str, QuantResult]) -> None:
-    """Quantize each named linear for export; leave the dequantized weight in the layer."""
+def _store(layer: nn.Module, name: str, prefix: str, codes, scales, zeros, results: dict[str, QuantResult]) -> None:
+    """Record a converted linear and leave its dequantized weight in the layer."""
+    fc = layer.get_submodule(name)
+    fc.weight.data = dequantize(codes, scales, zeros).to(fc.weight.device, fc.weight.dtype)
+    results[f"{prefix}.{name}"] = QuantResult(codes.cpu(), scales.cpu(), zeros.cpu())
+
+
+def _round_to_nearest(layer: nn.Module, names: list[str], spec: awq.QSpec, scale_dtype: torch.dtype, prefix: str,
+                      results: dict[str, QuantResult]) -> None:
     for n in names:
-        fc = layer.get_submodule(n)
-        codes, scales, zeros = quantize_for_export(fc.weight.data, spec.w_bit, spec.group, spec.zero_point, scale_dtype)
-        fc.weight.data = dequantize(codes, scales, zeros).to(fc.weight.dtype)
-        results[f"{prefix}.{n}"] = QuantResult(codes.cpu(), scales.cpu(), zeros.cpu())
+        w = layer.get_submodule(n).weight.data
+        group = w.shape[1] if spec.group == -1 else spec.group
+        codes, scales, zeros = quantize_for_export(w, spec.w_bit, group, spec.zero_point, scale_dtype)
+        _store(layer, n, prefix, codes, scales, zeros, results)
 
 
 def _batches(x: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -70,16 +76,20 @@ def _first(y):
     return y[0] if isinstance(y, tuple) else y
 
 
-def awq_layer(data: LayerData, arch: Arch, recipe, scale_dtype: torch.dtype, results: dict[str, QuantResult]) -> dict:
+def _spec(recipe) -> awq.QSpec:
+    return awq.QSpec(recipe.w_bit, recipe.q_group_size, recipe.zero_point)
+
+
+def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype: torch.dtype,
+              results: dict[str, QuantResult]) -> dict:
     """Search and apply AWQ scales and clips for one decoder layer, then quantize it -> search stats."""
-    layer, opts = data.layer, recipe.awq
-    spec = awq.QSpec(recipe.w_bit, recipe.q_group_size, recipe.zero_point)
-    convert = set(converted_linears(arch, data.index, recipe.modules_to_not_convert))
+    layer, opts, spec = data.layer, recipe.awq, _spec(recipe)
+    local = set(_local(arch, data.index, convert))
     stats: dict = {}
     chosen = []
     for g in active_scale_groups(layer, arch):
         linears = [layer.get_submodule(n) for n in g.linears]
-        quantized = [n in convert for n in g.linears]
+        quantized = [n in local for n in g.linears]
         if not any(quantized):
             continue
         xb = _batches(data.features[g.linears[0]], data.inputs)
@@ -105,42 +115,86 @@ def awq_layer(data: LayerData, arch: Arch, recipe, scale_dtype: torch.dtype, res
     if opts.apply_clip:
         feature_of = _feature_of(arch)
         grams: dict[str, torch.Tensor] = {}
-        for n in sorted(convert - set(arch.no_clip), key=arch.linears.index):
-            fc = layer.get_submodule(n)
+        for n in [n for n in arch.linears if n in local and n not in arch.no_clip]:
             key = feature_of[n]
             if key not in grams:
                 grams[key] = awq.group_gram(data.features[key], spec.group)  # [n_group, g, g]
+            fc = layer.get_submodule(n)
             with torch.no_grad():
                 max_val = awq.search_clip(fc.weight.data, grams[key], spec, opts.clip_grid, opts.max_shrink)
             awq.apply_clip(fc, max_val)
-    _finalize(layer, sorted(convert, key=arch.linears.index), spec, scale_dtype, layer_prefix(arch, data.index), results)
+    _round_to_nearest(layer, [n for n in arch.linears if n in local], spec, scale_dtype,
+                      layer_prefix(arch, data.index), results)
     return stats
 
 
-def quantize_awq(model, arch: Arch, samples: torch.Tensor, recipe, device: torch.device, compute_dtype: torch.dtype,
-                 scale_dtype: torch.dtype) -> tuple[dict[str, QuantResult], dict]:
+def quantize_awq(model, arch: Arch, samples: torch.Tensor, recipe, convert: set[str], device: torch.device,
+                 compute_dtype: torch.dtype, scale_dtype: torch.dtype) -> tuple[dict[str, QuantResult], dict]:
     """AWQ over every decoder layer -> (results per linear, search stats per layer)."""
     results: dict[str, QuantResult] = {}
     stats: dict = {}
     feature_names = sorted(set(_feature_of(arch).values()), key=arch.linears.index)
 
     def process(data: LayerData) -> None:
-        stats[data.index] = awq_layer(data, arch, recipe, scale_dtype, results)
+        stats[data.index] = awq_layer(data, arch, recipe, convert, scale_dtype, results)
 
     run_layerwise(model, arch, samples, device, compute_dtype, recipe.batch_size, lambda _l: feature_names, process,
                   recipe.awq.propagate)
     return results, stats
 
 
-def quantize_rtn(model, arch: Arch, recipe, device: torch.device, compute_dtype: torch.dtype,
+def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype: torch.dtype,
+               results: dict[str, QuantResult]) -> dict:
+    """GPTQ for one decoder layer: per stage, accumulate Hessians (on quantized predecessors), quantize."""
+    layer, opts = data.layer, recipe.gptq
+    local = _local(arch, data.index, convert)
+    stages = arch.sequential if opts.true_sequential else (tuple(arch.linears),)
+    feature_of = _feature_of(arch)
+    spec = gptq.GptqSpec(recipe.w_bit, recipe.q_group_size, not recipe.zero_point, opts.block_size,
+                         opts.damp_percent, opts.act_order, scale_dtype)
+    stats: dict = {}
+    for stage in stages:
+        names = [n for n in stage if n in local]
+        if not names:
+            continue
+        keys = sorted({feature_of[n] for n in names}, key=arch.linears.index)  # one Hessian per shared input
+        accs = {k: gptq.HessianAccumulator(layer.get_submodule(k).in_features, data.inputs[0].device) for k in keys}
+        handles = [layer.get_submodule(k).register_forward_hook(lambda _m, a, _o, k=k: accs[k].add(a[0]))
+                   for k in keys]
+        try:
+            layer_forward(layer, data.inputs, data.kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        for n in names:
+            fc = layer.get_submodule(n)
+            r = gptq.gptq_quantize(fc.weight.data, accs[feature_of[n]].H, spec)
+            _store(layer, n, layer_prefix(arch, data.index), r.codes, r.scales.to(scale_dtype), r.zeros, results)
+            stats[n] = {"loss": r.loss, "damp": r.damp_used, "dead_columns": r.dead_columns}
+    return stats
+
+
+def quantize_gptq(model, arch: Arch, samples: torch.Tensor, recipe, convert: set[str], device: torch.device,
+                  compute_dtype: torch.dtype, scale_dtype: torch.dtype) -> tuple[dict[str, QuantResult], dict]:
+    """GPTQ over every decoder layer; each layer's calibration inputs come from the quantized layers before it."""
+    results: dict[str, QuantResult] = {}
+    stats: dict = {}
+
+    def process(data: LayerData) -> None:
+        stats[data.index] = gptq_layer(data, arch, recipe, convert, scale_dtype, results)
+
+    run_layerwise(model, arch, samples, device, compute_dtype, recipe.batch_size, lambda _l: [], process,
+                  propagate="quantized")
+    return results, stats
+
+
+def quantize_rtn(model, arch: Arch, recipe, convert: set[str], device: torch.device, compute_dtype: torch.dtype,
                  scale_dtype: torch.dtype) -> dict[str, QuantResult]:
     """Round-to-nearest baseline: no calibration, each converted linear quantized as it is."""
-    spec = awq.QSpec(recipe.w_bit, recipe.q_group_size, recipe.zero_point)
     results: dict[str, QuantResult] = {}
     for i, layer in enumerate(decoder_layers(model, arch)):
         storage = next(layer.parameters()).dtype
         layer.to(device, compute_dtype)
-        _finalize(layer, converted_linears(arch, i, recipe.modules_to_not_convert), spec, scale_dtype,
-                  layer_prefix(arch, i), results)
+        _round_to_nearest(layer, _local(arch, i, convert), _spec(recipe), scale_dtype, layer_prefix(arch, i), results)
         layer.to("cpu", storage)
     return results

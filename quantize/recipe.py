@@ -25,7 +25,10 @@ AWQ_VERSIONS_REFUSED = {
     "exllama": "AutoAWQ's ExLlama layout is a runtime kernel choice, not a checkpoint format vLLM reads",
 }
 AWQ_BITS_SERVED = (4,)
-GROUP_SIZES = (32, 64, 128)
+GPTQ_BITS_SERVED = (4, 8)  # GPTQ v1 and compressed-tensors pack-quantized: vLLM serves 4- and 8-bit
+GROUP_SIZES = (-1, 32, 64, 128)  # -1 = per output channel (GPTQ / compressed-tensors formats only)
+FORMATS = ("awq", "gptq", "compressed-tensors")
+DEFAULT_FORMAT = {"awq": "awq", "rtn": "awq", "gptq": "gptq"}
 
 
 class RecipeError(ValueError):
@@ -59,6 +62,15 @@ class AwqOptions(_Strict):
     propagate: Literal["fp", "quantized"] = "fp"  # which layer output feeds the next layer's calibration
 
 
+class GptqOptions(_Strict):
+    """GPTQ settings (defaults follow the GPTQ paper / AutoGPTQ)."""
+
+    damp_percent: float = Field(0.01, gt=0, lt=1)  # raised x10 automatically (with a warning) if H is not PD
+    act_order: bool = True  # static: columns by descending diag(H), groups kept contiguous
+    true_sequential: bool = True  # q/k/v, then o, then gate/up, then down, each on quantized predecessors
+    block_size: int = Field(128, gt=0)  # lazy-batch width of the column sweep
+
+
 class Recipe(_Strict):
     """A validated recipe. Field names map 1:1 to the YAML keys."""
 
@@ -66,13 +78,16 @@ class Recipe(_Strict):
     base: str | None = None
     description: str = ""
     model: str
-    method: Literal["awq", "rtn"]
+    method: Literal["awq", "gptq", "rtn"]
     w_bit: int = 4
     q_group_size: int = 128
-    zero_point: bool = True
-    version: str = "gemm"
+    zero_point: bool = True  # false = symmetric (GPTQ's sym: true)
+    format: Literal["auto", "awq", "gptq", "compressed-tensors"] = "auto"  # auto: awq for awq/rtn, gptq for gptq
+    version: str = "gemm"  # AWQ kernel layout (format awq)
+    on_indivisible: Literal["error", "skip"] = "error"  # a layer whose in_features the group size does not divide
     calibration: Calibration = Calibration()
     awq: AwqOptions = AwqOptions()
+    gptq: GptqOptions = GptqOptions()
     modules_to_not_convert: tuple[str, ...] = ("lm_head",)
     dtype: Literal["float16", "bfloat16"] = "float16"
     compute_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
@@ -94,13 +109,19 @@ class Recipe(_Strict):
         parse_size(v)
         return v
 
+    @property
+    def out_format(self) -> str:
+        """The on-disk format actually written."""
+        return DEFAULT_FORMAT[self.method] if self.format == "auto" else self.format
+
     @model_validator(mode="after")
     def _served_by_vllm(self) -> "Recipe":
-        if self.method in ("awq", "rtn"):
+        fmt = self.out_format
+        if fmt == "awq":
             if self.w_bit not in AWQ_BITS_SERVED:
                 raise ValueError(
-                    f"w_bit {self.w_bit} is not allowed for method {self.method} (AutoAWQ GEMM format): "
-                    f"vLLM serves only w_bit {list(AWQ_BITS_SERVED)} in that format"
+                    f"w_bit {self.w_bit} is not allowed with format awq (AutoAWQ GEMM): vLLM serves only "
+                    f"w_bit {list(AWQ_BITS_SERVED)} in that format; use format: compressed-tensors for 8-bit"
                 )
             if self.version in AWQ_VERSIONS_REFUSED:
                 raise ValueError(
@@ -109,6 +130,21 @@ class Recipe(_Strict):
                 )
             if self.version not in AWQ_VERSIONS_SERVED:
                 raise ValueError(f"version {self.version!r} is unknown; use one of {list(AWQ_VERSIONS_SERVED)}")
+            if self.q_group_size == -1:
+                raise ValueError("q_group_size -1 (per channel) is not served in format awq; use 32, 64 or 128")
+        else:
+            if self.w_bit not in GPTQ_BITS_SERVED:
+                raise ValueError(f"w_bit {self.w_bit} is not allowed with format {fmt}: vLLM serves "
+                                 f"{list(GPTQ_BITS_SERVED)}")
+        if fmt == "gptq" and self.zero_point:
+            raise ValueError(
+                "zero_point true (asymmetric) is not allowed with format gptq: vLLM 0.32 accepts only sym: true "
+                "GPTQ checkpoints; set zero_point: false, or format: compressed-tensors for asymmetric weights"
+            )
+        if self.method == "gptq":
+            b, g = self.gptq.block_size, self.q_group_size
+            if g != -1 and b % g and g % b:
+                raise ValueError(f"gptq.block_size {b} and q_group_size {g}: one must divide the other")
         return self
 
     def to_dict(self) -> dict[str, Any]:

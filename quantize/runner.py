@@ -15,19 +15,16 @@ from pathlib import Path
 import torch
 
 from . import calib, export, source
-from .arch import Arch, arch_for, decoder_layers, layer_prefix
-from .engine import converted_linears, quantize_awq, quantize_rtn
-from .formats import awq_gemm
+from .arch import arch_for
+from .engine import is_skipped, quantize_awq, quantize_gptq, quantize_rtn
+from .pack import pack_all
+from .preflight import PreflightError, plan
 from .recipe import Recipe, load_recipe
 
 log = logging.getLogger(__name__)
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-class PreflightError(ValueError):
-    pass
 
 
 @dataclass
@@ -56,44 +53,6 @@ def pick_compute_dtype(recipe: Recipe, device: torch.device) -> torch.dtype:
     if recipe.compute_dtype != "auto":
         return DTYPES[recipe.compute_dtype]
     return torch.float32 if device.type == "cpu" else DTYPES[recipe.dtype]
-
-
-def check_shapes(config, arch: Arch, recipe: Recipe) -> list[str]:
-    """Every converted linear's shape against the format (in % group, out % 8) and fused-module rules.
-
-    Builds the model on the meta device (no weights read) -> list of converted module names.
-    """
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.trust_remote_code)
-    problems, names = [], []
-    for i, layer in enumerate(decoder_layers(meta, arch)):
-        convert = converted_linears(arch, i, recipe.modules_to_not_convert)
-        for fused in arch.fused:
-            inside = [n in convert for n in fused]
-            if any(inside) and not all(inside):
-                problems.append(
-                    f"{layer_prefix(arch, i)}: {', '.join(fused)} are loaded by vLLM as one module, so "
-                    f"modules_to_not_convert must skip all of them or none"
-                )
-        for n in convert:
-            out_f, in_f = layer.get_submodule(n).weight.shape
-            full = f"{layer_prefix(arch, i)}.{n}"
-            names.append(full)
-            if in_f % recipe.q_group_size:
-                ok = [g for g in (32, 64, 128) if in_f % g == 0]
-                problems.append(
-                    f"{full}: in_features {in_f} is not divisible by q_group_size {recipe.q_group_size}"
-                    + (f"; q_group_size {ok} would divide it" if ok else "")
-                    + "; or add the module to modules_to_not_convert"
-                )
-            if out_f % awq_gemm.PACK:
-                problems.append(f"{full}: out_features {out_f} is not divisible by 8 (the AWQ GEMM packing)")
-    if problems:
-        shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
-        raise PreflightError("the recipe cannot be applied to this model:\n  - " + "\n  - ".join(shown))
-    return names
 
 
 def _versions() -> dict[str, str]:
@@ -131,20 +90,25 @@ def run(recipe_name: str, out_root: str | Path = "artifacts", force: bool = Fals
         src = source.resolve(recipe.model)
         config = source.read_config(src, recipe.trust_remote_code)
         arch = arch_for(config)
-        names = check_shapes(config, arch, recipe)
+        the_plan = plan(config, arch, recipe, is_skipped)
+        convert = set(the_plan.convert)
         device = pick_device(recipe)
         compute_dtype = pick_compute_dtype(recipe, device)
         dtype = DTYPES[recipe.dtype]
-        log.info("recipe %s: %s w%d g%d zero_point=%s on %s (compute %s); %d linears to convert",
-                 recipe.name, recipe.method, recipe.w_bit, recipe.q_group_size, recipe.zero_point, device,
-                 str(compute_dtype).removeprefix("torch."), len(names))
+        log.info("recipe %s: %s w%d g%d zero_point=%s format %s on %s (compute %s)", recipe.name, recipe.method,
+                 recipe.w_bit, recipe.q_group_size, recipe.zero_point, recipe.out_format, device,
+                 str(compute_dtype).removeprefix("torch."))
+        log.info("pre-flight: %s", the_plan.summary())
+        for name, why in the_plan.skipped.items():
+            if why != "modules_to_not_convert":
+                log.warning("pre-flight: %s stays 16-bit: %s", name, why)
     with timings.stage("load"):
         storage_dtype = compute_dtype if device.type == "cpu" else dtype
         model = source.load_model(src, storage_dtype, recipe.trust_remote_code)
         tied = _tied(model)
     calib_record = None
     stats: dict = {}
-    if recipe.method == "awq":
+    if recipe.method in ("awq", "gptq"):
         with timings.stage("calibrate"):
             tokenizer = source.load_tokenizer(src, recipe.trust_remote_code)
             c = recipe.calibration
@@ -155,24 +119,25 @@ def run(recipe_name: str, out_root: str | Path = "artifacts", force: bool = Fals
                             "tokens": int(samples.numel()),
                             "samples_sha256": hashlib.sha256(samples.numpy().tobytes()).hexdigest()}
             log.info("calibration: %d x %d tokens from %s", c.n_samples, c.seq_len, text.source)
+        quantize_fn = quantize_awq if recipe.method == "awq" else quantize_gptq
         with timings.stage("quantize"):
-            results, stats = quantize_awq(model, arch, samples, recipe, device, compute_dtype, dtype)
+            results, stats = quantize_fn(model, arch, samples, recipe, convert, device, compute_dtype, dtype)
     else:
         with timings.stage("quantize"):
-            results = quantize_rtn(model, arch, recipe, device, compute_dtype, dtype)
+            results = quantize_rtn(model, arch, recipe, convert, device, compute_dtype, dtype)
     with timings.stage("export"):
-        packed = {name: awq_gemm.pack(r.codes, r.scales, r.zeros) for name, r in results.items()}
+        skipped = [n for n, why in the_plan.skipped.items() if why != "modules_to_not_convert"]
+        packed, qcfg = pack_all(results, recipe, skipped, dtype)
         drop = {"lm_head.weight"} if tied else set()
         tensors = export.build_state_dict(model, packed, dtype, drop)
-        qcfg = awq_gemm.quantization_config(recipe.w_bit, recipe.q_group_size, recipe.zero_point,
-                                            list(recipe.modules_to_not_convert))
 
         def fill(tmp: Path) -> dict:
             copied = export.write_model_dir(tmp, model, tensors, qcfg, dtype, src.path, source.TOKENIZER_FILES,
                                             recipe.to_dict(), recipe.max_shard_size)
+            (tmp / "preflight.json").write_text(the_plan.to_json() + "\n")
             return {
                 "artifact": recipe.name,
-                "format": {"quant_method": "awq", "version": "gemm"},
+                "format": {"name": recipe.out_format, "quant_method": qcfg["quant_method"]},
                 "recipe": recipe.to_dict(),
                 "model": {"spec": src.spec, "resolved": str(src.path), "kind": src.kind,
                           "gguf_sha256": src.origin_sha256, "architecture": config.architectures,
@@ -182,7 +147,9 @@ def run(recipe_name: str, out_root: str | Path = "artifacts", force: bool = Fals
                 "unconverted": sorted(n.removesuffix(".weight") for n in tensors if n.endswith(".weight")),
                 "copied_unchanged": copied,
                 "notes": _notes(tied, storage_dtype, dtype),
-                "awq_search": {str(k): v for k, v in stats.items()},
+                "skipped_linears": the_plan.skipped,
+                "tensor_parallel_sizes": the_plan.tp_sizes,
+                f"{recipe.method}_stats": {str(k): v for k, v in stats.items()},
                 "device": str(device), "compute_dtype": str(compute_dtype).removeprefix("torch."),
                 "versions": _versions(), "git": git_commit(),
                 "timings_s": dict(timings.stages),

@@ -53,7 +53,7 @@ def test_manifest_hashes_every_file(llama_artifact):
 
 def test_awq_search_never_worse_than_rtn(llama_artifact):
     m = json.loads((llama_artifact / "manifest.json").read_text())
-    for layer in m["awq_search"].values():
+    for layer in m["awq_stats"].values():
         for g in layer.values():
             assert g["loss"] <= g["loss_rtn"]
 

@@ -1,0 +1,110 @@
+"""Peer run: llm-compressor's GPTQ on the exact calibration token blocks our pipeline builds.
+
+    bash bench/peers/setup_llmcompressor.sh
+    HF_HUB_OFFLINE=1 .cache/venv-llmcompressor/bin/python bench/peers/llmc_gptq.py \
+        --model ~/.cache/quantize/gguf/SmolLM2-135M-Instruct.Q4_1-<hash> --out artifacts/peer-llmc-gptq-g64
+
+Calibration blocks come from quantize.calib (load_text + make_samples, same seed/tokenizer), and are fed
+to `oneshot` as a pre-tokenized datasets.Dataset (input_ids, attention_mask), unshuffled. Scheme: int4
+symmetric, group strategy, targets Linear, lm_head ignored, memoryless min-max weight observer (the
+llm-compressor default). The model is calibrated in --compute-dtype (float32, as our pipeline does on
+the CPU) and saved compressed (compressed-tensors pack-quantized) in --save-dtype. Writes
+OUT/peer_run.json with versions, timings, the modifier config and peak RSS. HF_HUB_OFFLINE defaults
+to 1 here, so `pileval`/`wikitext2` resolve to the bundled files in data/ unless it is set to 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+T0 = time.perf_counter()
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local model dir; calib then uses the bundled data/ text
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from llmcompressor import oneshot  # noqa: E402
+from llmcompressor.modifiers.gptq import GPTQModifier  # noqa: E402
+from quantize import calib  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="local HF safetensors directory")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--n-samples", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dataset", default="pileval")
+    ap.add_argument("--dampening-frac", type=float, default=0.01)
+    ap.add_argument("--block-size", type=int, default=128, help="GPTQ columns per pass (llm-compressor default)")
+    ap.add_argument("--actorder", choices=["static", "none"], default="static",
+                    help="static = llm-compressor's default (reorders during GPTQ only; groups stay contiguous)")
+    ap.add_argument("--compute-dtype", choices=DTYPES, default="float32")
+    ap.add_argument("--save-dtype", choices=DTYPES, default="bfloat16")
+    args = ap.parse_args()
+    out = Path(args.out)
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    text = calib.load_text(args.dataset)
+    samples = calib.make_samples(text.documents, tok, args.n_samples, args.seq_len, args.seed)  # [n, seq]
+    ds = Dataset.from_dict({"input_ids": samples.tolist(), "attention_mask": torch.ones_like(samples).tolist()})
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.compute_dtype])
+    modifier = GPTQModifier(
+        config_groups={"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                        "group_size": args.group_size, "dynamic": False},
+        }},
+        ignore=["lm_head"],
+        actorder=None if args.actorder == "none" else args.actorder,
+        dampening_frac=args.dampening_frac,
+        block_size=args.block_size,
+    )
+
+    t1 = time.perf_counter()
+    oneshot(model=model, processor=tok, dataset=ds, recipe=modifier, num_calibration_samples=args.n_samples,
+            max_seq_length=args.seq_len, shuffle_calibration_samples=False, batch_size=1)
+    oneshot_s = time.perf_counter() - t1
+
+    model.to(DTYPES[args.save_dtype])
+    model.config.dtype = DTYPES[args.save_dtype]
+    model.save_pretrained(out, save_compressed=True)
+    tok.save_pretrained(out)
+
+    record = {
+        "peer": "llmcompressor.GPTQModifier",
+        "versions": {p: version(p) for p in ("llmcompressor", "transformers", "torch", "compressed-tensors")},
+        "model": str(Path(args.model).resolve()),
+        "calibration": {"dataset": args.dataset, "source": text.source, "text_sha256": text.sha256,
+                        "n_samples": args.n_samples, "seq_len": args.seq_len, "seed": args.seed,
+                        "blocks_sha256": hashlib.sha256(samples.numpy().tobytes()).hexdigest()},
+        "modifier": modifier.model_dump(mode="json", exclude_none=True),
+        "resolved_quantization": modifier.resolve_quantization_config().model_dump(mode="json", exclude_none=True),
+        "compute_dtype": args.compute_dtype, "save_dtype": args.save_dtype,
+        "torch_threads": torch.get_num_threads(),
+        "oneshot_s": round(oneshot_s, 2),
+        "total_s": round(time.perf_counter() - T0, 2),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+    (out / "peer_run.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""compressed-tensors `pack-quantized` W4A16 / W8A16 (`quant_method: compressed-tensors`), as vLLM reads it.
+
+- weight_packed int32 [out, in * b / 32]: signed code + 2^(b-1) packed along `in` (low bits first)
+- weight_scale [out, n_group]; weight_shape [2]
+- asymmetric adds weight_zero_point int32 [out * b / 32, n_group]: signed zero + 2^(b-1), packed along `out`
+Our codes are unsigned in [0, 2^b) with zero z, so signed code = code - 2^(b-1) and signed zero = z - 2^(b-1):
+the stored nibbles are our codes and zeros unchanged. The `compressed_tensors` package does the packing and
+builds the config block, so the bits are the ones its own compressor produces.
+"""
+
+from __future__ import annotations
+
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+BITS_SERVED = (4, 8)
+
+
+def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, sym: bool) -> dict:
+    """codes [out, in] uint8, scales/zeros [out, n_group] -> compressed-tensors tensors of one linear."""
+    off = 2 ** (bits - 1)
+    out = {
+        "weight_packed": pack_to_int32((codes.to(torch.int16) - off).to(torch.int8), bits),  # [out, in*b/32]
+        "weight_scale": scales.contiguous(),  # [out, n_group]
+        "weight_shape": torch.tensor(list(codes.shape), dtype=torch.int64),
+    }
+    if not sym:
+        zp = (zeros.to(torch.int16) - off).to(torch.int8)  # [out, n_group] signed
+        out["weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0).contiguous()  # [out*b/32, n_group]
+    return out
+
+
+def unpack(tensors: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> codes [out, in] uint8, scales [out, n_group], zeros [out, n_group] int32 (2^(b-1) when symmetric)."""
+    off = 2 ** (bits - 1)
+    shape = torch.Size(tensors["weight_shape"].tolist())
+    scales = tensors["weight_scale"]
+    codes = (unpack_from_int32(tensors["weight_packed"], bits, shape).to(torch.int16) + off).to(torch.uint8)
+    if "weight_zero_point" in tensors:
+        zp = unpack_from_int32(tensors["weight_zero_point"], bits, torch.Size([shape[0], scales.shape[1]]), 0)
+        zeros = (zp.to(torch.int32) + off)
+    else:
+        zeros = torch.full(scales.shape, off, dtype=torch.int32)
+    return codes, scales, zeros
+
+
+def quantization_config(bits: int, group: int, sym: bool, act_order: bool, ignore: list[str]) -> dict:
+    """config.json `quantization_config`, built with compressed_tensors' own schema classes."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    weights = QuantizationArgs(
+        num_bits=bits, type="int", symmetric=sym, dynamic=False,
+        strategy="channel" if group == -1 else "group", group_size=None if group == -1 else group,
+        actorder="static" if act_order else None, observer="minmax",
+    )
+    cfg = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
+        quant_method="compressed-tensors", format="pack-quantized", quantization_status="compressed",
+        ignore=list(ignore),
+    )
+    return cfg.model_dump(exclude_none=False, mode="json")

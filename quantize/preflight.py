@@ -1,0 +1,133 @@
+"""Pre-flight: every converted linear checked against the format and vLLM's kernels before any weight loads.
+
+The model is instantiated on the meta device (shapes only). The result is a `Plan`: which linears are
+converted, which are kept in 16-bit and why, and for each converted linear the vLLM kernel it will get.
+Kernel rules (vLLM 0.32, marlin_utils): Marlin needs group size in {-1, 32, 64, 128}, in_features divisible
+by 128 and by the group size, out_features divisible by 64; GPTQ-Marlin needs symmetric weights. On the CPU
+build every format runs through the CPU W4A16/W8A16 kernel.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .arch import Arch, decoder_layers, layer_prefix
+from .recipe import Recipe
+
+MARLIN_GROUPS = (-1, 32, 64, 128)
+MARLIN_MIN_K, MARLIN_MIN_N = 128, 64
+TP_SIZES = (1, 2, 4, 8)
+PACK_ALONG_OUT = {"awq": 8}  # AWQ GEMM packs 8 nibbles along out_features
+
+
+class PreflightError(ValueError):
+    pass
+
+
+@dataclass
+class LayerCheck:
+    name: str
+    in_features: int
+    out_features: int
+    cuda_kernel: str
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    convert: list[str] = field(default_factory=list)  # full module names that get quantized
+    skipped: dict[str, str] = field(default_factory=dict)  # full name -> why it stays 16-bit
+    layers: list[LayerCheck] = field(default_factory=list)
+    tp_sizes: list[int] = field(default_factory=list)  # tensor-parallel sizes the artifact can be served at
+
+    def summary(self) -> str:
+        kernels: dict[str, int] = {}
+        for lc in self.layers:
+            kernels[lc.cuda_kernel] = kernels.get(lc.cuda_kernel, 0) + 1
+        ks = ", ".join(f"{k}: {v}" for k, v in sorted(kernels.items()))
+        return (f"{len(self.convert)} linears to convert ({ks} on CUDA; CPU build: cpu_wna16 for all); "
+                f"{len(self.skipped)} kept 16-bit; tensor-parallel sizes OK: {self.tp_sizes}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def _cuda_kernel(fmt: str, in_f: int, out_f: int, group: int, sym: bool) -> tuple[str, str]:
+    marlin_ok = group in MARLIN_GROUPS and in_f % MARLIN_MIN_K == 0 and out_f % MARLIN_MIN_N == 0 and (
+        group == -1 or in_f % group == 0)
+    why = "" if marlin_ok else f"in {in_f} % 128, out {out_f} % 64 or group {group} breaks Marlin's tiles"
+    if fmt == "awq":
+        # vLLM pads tile-misaligned AWQ layers for Marlin (allow_tile_padding=True)
+        return ("awq_marlin", "") if group in MARLIN_GROUPS else ("awq (gemm)", why)
+    if fmt == "gptq":
+        return ("gptq_marlin", "") if marlin_ok and sym else ("gptq (exllama)", why or "asymmetric")
+    return ("marlin (compressed-tensors wNa16)", "") if marlin_ok else ("compressed-tensors fallback kernel", why)
+
+
+def _tp_sizes(shapes: list[tuple[str, int, int, bool]], group: int) -> list[int]:
+    ok = []
+    for tp in TP_SIZES:
+        fine = True
+        for _n, in_f, out_f, row in shapes:
+            if row and (in_f % tp or (group != -1 and (in_f // tp) % group)):
+                fine = False
+            if not row and out_f % tp:
+                fine = False
+        if fine:
+            ok.append(tp)
+    return ok
+
+
+def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
+    """Shapes of every quantizable linear vs the recipe -> Plan, or PreflightError listing every problem."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.trust_remote_code)
+    fmt, g = recipe.out_format, recipe.q_group_size
+    out, problems, shapes = Plan(), [], []
+    for i, layer in enumerate(decoder_layers(meta, arch)):
+        prefix = layer_prefix(arch, i)
+        wanted = {n for n in arch.linears if not is_skipped(f"{prefix}.{n}", recipe.modules_to_not_convert)}
+        for fused in arch.fused:
+            inside = [n in wanted for n in fused]
+            if any(inside) and not all(inside):
+                problems.append(f"{prefix}: {', '.join(fused)} are loaded by vLLM as one module, so "
+                                f"modules_to_not_convert must skip all of them or none")
+        bad = set()
+        for n in sorted(wanted, key=arch.linears.index):
+            out_f, in_f = layer.get_submodule(n).weight.shape
+            if (g != -1 and in_f % g) or out_f % PACK_ALONG_OUT.get(fmt, 1) or in_f % (32 // recipe.w_bit):
+                bad.add(n)
+        for fused in arch.fused:  # a fused set is skipped as a whole
+            if bad & set(fused):
+                bad |= set(fused) & wanted
+        for n in arch.linears:
+            full = f"{prefix}.{n}"
+            if n not in wanted:
+                out.skipped[full] = "modules_to_not_convert"
+                continue
+            out_f, in_f = layer.get_submodule(n).weight.shape
+            if n in bad:
+                ok = [x for x in (32, 64, 128) if in_f % x == 0]
+                msg = (f"{full}: in_features {in_f} is not divisible by q_group_size {g}"
+                       + (f"; q_group_size {ok} would divide it" if ok else ""))
+                if out_f % PACK_ALONG_OUT.get(fmt, 1):
+                    msg = f"{full}: out_features {out_f} is not divisible by 8 (the AWQ GEMM packing)"
+                if recipe.on_indivisible == "skip":
+                    out.skipped[full] = msg.split(": ", 1)[1] + " (on_indivisible: skip)"
+                else:
+                    problems.append(msg + "; or set on_indivisible: skip, or add it to modules_to_not_convert")
+                continue
+            kernel, note = _cuda_kernel(fmt, in_f, out_f, g, not recipe.zero_point)
+            out.convert.append(full)
+            out.layers.append(LayerCheck(full, in_f, out_f, kernel, note))
+            shapes.append((full, in_f, out_f, n in arch.row_parallel))
+    if problems:
+        shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
+        raise PreflightError("the recipe cannot be applied to this model:\n  - " + "\n  - ".join(shown))
+    out.tp_sizes = _tp_sizes(shapes, g)
+    return out
