@@ -1,6 +1,7 @@
 """Read a 4-bit artifact directory back into a transformers model, decoding its packed tensors with our code.
 
-Works on any AutoAWQ-GEMM directory (ours or another tool's): the dequantized weights are what vLLM
+Works on any AutoAWQ-GEMM, GPTQ (v1, contiguous g_idx) or compressed-tensors pack-quantized directory
+(ours or another tool's): the dequantized weights are what vLLM
 computes with, so scoring this model scores the artifact itself, not pre-pack fake-quant weights.
 """
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from quantize.formats import awq_gemm
+from quantize.formats import awq_gemm, compressed_tensors, gptq
 from quantize.primitives import dequantize
 
 
@@ -33,33 +34,62 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _format(qcfg: dict, path: Path) -> tuple[str, int]:
+    method = qcfg.get("quant_method")
+    if method == "awq":
+        version = str(qcfg.get("version", "")).lower()
+        if version != "gemm":
+            raise ArtifactError(f"{path}: AWQ version {version!r} is not readable here (gemm only)")
+        return "awq", int(qcfg.get("bits", qcfg.get("w_bit", 0)))
+    if method == "gptq":
+        if qcfg.get("desc_act"):
+            raise ArtifactError(f"{path}: desc_act: true GPTQ checkpoints are rejected by vLLM 0.32")
+        return "gptq", int(qcfg["bits"])
+    if method == "compressed-tensors":
+        if qcfg.get("format") != "pack-quantized":
+            raise ArtifactError(f"{path}: compressed-tensors format {qcfg.get('format')!r} is not readable here")
+        groups = list(qcfg.get("config_groups", {}).values())
+        return "compressed-tensors", int(groups[0]["weights"]["num_bits"])
+    raise ArtifactError(f"{path}: quant_method {method!r} is not readable here (awq, gptq, compressed-tensors)")
+
+
 def dequantized_state_dict(path: Path, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], dict]:
     """Artifact dir -> (state dict with every packed linear decoded to `.weight`, quantization_config)."""
     config = json.loads((Path(path) / "config.json").read_text())
     qcfg = config.get("quantization_config")
     if not qcfg:
         raise ArtifactError(f"{path}/config.json has no quantization_config")
-    method, version = qcfg.get("quant_method"), str(qcfg.get("version", "")).lower()
-    if method != "awq" or version != "gemm":
-        raise ArtifactError(f"{path}: quant_method {method!r} version {version!r} is not readable here (awq/gemm)")
-    bits = qcfg.get("bits", qcfg.get("w_bit"))
-    if bits != 4:
+    fmt, bits = _format(qcfg, Path(path))
+    if fmt == "awq" and bits != 4:
         raise ArtifactError(f"{path}: bits {bits} is not supported by the AWQ GEMM reader (4 only)")
     tensors = read_tensors(path)
+    marker = {"awq": ".qweight", "gptq": ".qweight", "compressed-tensors": ".weight_packed"}[fmt]
+    modules = [k.removesuffix(marker) for k in tensors if k.endswith(marker)]
     out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if name.endswith((".qzeros", ".scales")):
-            continue
-        if name.endswith(".qweight"):
-            module = name.removesuffix(".qweight")
-            codes, scales, zeros = awq_gemm.unpack({
-                "qweight": t, "qzeros": tensors[f"{module}.qzeros"], "scales": tensors[f"{module}.scales"]})
+    for m in modules:
+        own = {k.removeprefix(f"{m}."): tensors.pop(k) for k in list(tensors) if k.startswith(f"{m}.")
+               and k.removeprefix(f"{m}.") in _SUFFIXES[fmt]}
+        if fmt == "awq":
+            codes, scales, zeros = awq_gemm.unpack(own)
             if not qcfg.get("zero_point", True):
                 zeros = torch.full_like(zeros, 8)  # vLLM ignores qzeros without zero points: (q - 8) * s
-            out[f"{module}.weight"] = dequantize(codes, scales, zeros).to(dtype)
+        elif fmt == "gptq":
+            codes, scales, zeros = gptq.unpack(own, bits)
+            if qcfg.get("sym", True):
+                zeros = torch.full_like(zeros, 2 ** (bits - 1))  # vLLM ignores qzeros with sym
         else:
-            out[name] = t.to(dtype) if t.is_floating_point() else t
+            codes, scales, zeros = compressed_tensors.unpack(own, bits)
+        out[f"{m}.weight"] = dequantize(codes, scales, zeros).to(dtype)
+    for name, t in tensors.items():
+        out[name] = t.to(dtype) if t.is_floating_point() else t
     return out, qcfg
+
+
+_SUFFIXES = {
+    "awq": ("qweight", "qzeros", "scales"),
+    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
+}
 
 
 def load_dequantized(path: Path, dtype: torch.dtype = torch.float32):

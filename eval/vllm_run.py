@@ -53,9 +53,16 @@ def run_vllm(model_dir: Path, token_ids: list[list[int]], top_k: int = 5, max_to
         except subprocess.TimeoutExpired as e:
             raise VllmError(f"vLLM did not finish within {timeout:.0f} s on {model_dir}") from e
         if proc.returncode != 0 or not (work / "out.json").is_file():
-            tail = "\n".join((proc.stderr or "").strip().splitlines()[-25:])
-            raise VllmError(f"vLLM failed on {model_dir} (exit {proc.returncode}):\n{tail}")
+            log = (proc.stdout or "") + (proc.stderr or "")
+            raise VllmError(f"vLLM failed on {model_dir} (exit {proc.returncode}):\n{root_cause(log)}")
         return json.loads((work / "out.json").read_text())
+
+
+def root_cause(stderr: str, keep: int = 12) -> str:
+    """The lines of vLLM's stderr that say why it failed (its workers' errors), else the tail."""
+    lines = stderr.strip().splitlines()
+    hits = [ln for ln in lines if "Error" in ln or "error:" in ln or "cannot implement" in ln]
+    return "\n".join((hits or lines)[-keep:])
 
 
 def _child(model: str, prompts_path: str, out_path: str) -> None:

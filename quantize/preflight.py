@@ -20,6 +20,8 @@ from .recipe import Recipe
 MARLIN_GROUPS = (-1, 32, 64, 128)
 MARLIN_MIN_K, MARLIN_MIN_N = 128, 64
 TP_SIZES = (1, 2, 4, 8)
+# vLLM's CPU build (CPUWNA16) serves uint4 / uint4b8 only: 8-bit artifacts need a CUDA vLLM (checked 0.32).
+CPU_KERNEL = {4: "cpu_wna16", 8: "none: the CPU build serves 4-bit only (CUDA Marlin serves 8-bit)"}
 PACK_ALONG_OUT = {"awq": 8}  # AWQ GEMM packs 8 nibbles along out_features
 
 
@@ -33,6 +35,7 @@ class LayerCheck:
     in_features: int
     out_features: int
     cuda_kernel: str
+    cpu_kernel: str
     note: str = ""
 
 
@@ -48,7 +51,8 @@ class Plan:
         for lc in self.layers:
             kernels[lc.cuda_kernel] = kernels.get(lc.cuda_kernel, 0) + 1
         ks = ", ".join(f"{k}: {v}" for k, v in sorted(kernels.items()))
-        return (f"{len(self.convert)} linears to convert ({ks} on CUDA; CPU build: cpu_wna16 for all); "
+        cpu = sorted({lc.cpu_kernel for lc in self.layers})
+        return (f"{len(self.convert)} linears to convert ({ks} on CUDA; CPU build: {', '.join(cpu)}); "
                 f"{len(self.skipped)} kept 16-bit; tensor-parallel sizes OK: {self.tp_sizes}")
 
     def to_json(self) -> str:
@@ -124,7 +128,7 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
                 continue
             kernel, note = _cuda_kernel(fmt, in_f, out_f, g, not recipe.zero_point)
             out.convert.append(full)
-            out.layers.append(LayerCheck(full, in_f, out_f, kernel, note))
+            out.layers.append(LayerCheck(full, in_f, out_f, kernel, CPU_KERNEL.get(recipe.w_bit, "none"), note))
             shapes.append((full, in_f, out_f, n in arch.row_parallel))
     if problems:
         shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])

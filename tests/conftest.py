@@ -74,7 +74,7 @@ def write_recipe(path: Path, **keys) -> Path:
 
 def tiny_recipe(tmp: Path, model_dir: Path, name: str = "tiny-awq", **over) -> Path:
     keys = dict(name=name, model=str(model_dir), method="awq", w_bit=4, q_group_size=64, zero_point=True,
-                version="gemm", calibration=dict(dataset="pileval", n_samples=8, seq_len=64, seed=0),
+                version="gemm", calibration=dict(dataset="pileval", n_samples=16, seq_len=64, seed=0),
                 awq=dict(n_grid=10, clip_grid=10), dtype="float16", device="cpu", batch_size=4)
     keys.update(over)
     return write_recipe(tmp / f"{name}.yaml", **keys)
@@ -88,3 +88,13 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+def heldout_ids(model_dir: Path, n: int = 4, seq: int = 64) -> torch.Tensor:
+    """Token windows of WikiText-2 (never used for calibration, which reads the pile mix) -> [n, seq]."""
+    from transformers import AutoTokenizer
+
+    from quantize import calib
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return calib.make_samples(calib.load_text("wikitext2").documents, tok, n, seq, seed=123)

@@ -38,6 +38,7 @@ from llmcompressor import oneshot  # noqa: E402
 from llmcompressor.modifiers.gptq import GPTQModifier  # noqa: E402
 from quantize import calib  # noqa: E402
 
+LIFECYCLE_FLAGS = {"initialized_", "finalized_", "started_", "ended_"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -94,8 +95,8 @@ def main() -> None:
         "calibration": {"dataset": args.dataset, "source": text.source, "text_sha256": text.sha256,
                         "n_samples": args.n_samples, "seq_len": args.seq_len, "seed": args.seed,
                         "blocks_sha256": hashlib.sha256(samples.numpy().tobytes()).hexdigest()},
-        "modifier": modifier.model_dump(mode="json", exclude_none=True),
-        "resolved_quantization": modifier.resolve_quantization_config().model_dump(mode="json", exclude_none=True),
+        "modifier": modifier.model_dump(mode="json", exclude_none=True, exclude=LIFECYCLE_FLAGS),
+        "quantization_config": json.loads((out / "config.json").read_text())["quantization_config"],
         "compute_dtype": args.compute_dtype, "save_dtype": args.save_dtype,
         "torch_threads": torch.get_num_threads(),
         "oneshot_s": round(oneshot_s, 2),

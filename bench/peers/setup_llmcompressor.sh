@@ -21,8 +21,8 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/pip" --disable-pip-version-check)
 
-"${PIP[@]}" install -q "torch==2.13.0"
-"${PIP[@]}" install -q -r "$REQ" "torch==2.13.0"
+"${PIP[@]}" install -q "torch==2.13.0"   # first, alone: the CPU build from find-links
+"${PIP[@]}" install -q -r "$REQ"
 
 # llmcompressor needs none of these; CUDA builds of them break `import transformers` paths on a CPU torch.
 for pkg in torchvision torchaudio torchcodec; do

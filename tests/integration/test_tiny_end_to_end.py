@@ -10,7 +10,7 @@ from eval.artifact import dequantized_state_dict, load_dequantized
 from quantize import export, runner
 from quantize.arch import UnsupportedArchitecture
 from quantize.formats import awq_gemm
-from tests.conftest import build_tiny_model, tiny_recipe
+from tests.conftest import heldout_ids, build_tiny_model, tiny_recipe
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_awq_artifact_closer_to_source_than_rtn(llama_artifact, tiny_llama, tmp_
 
     ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     rtn = runner.run(tiny_recipe(tmp_path, tiny_llama, name="tiny-rtn-kl", method="rtn"), out_root=tmp_path / "a")
-    ids = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
+    ids = heldout_ids(tiny_llama)
     kl_awq, kl_rtn = _kl(ref, load_dequantized(llama_artifact), ids), _kl(ref, load_dequantized(rtn), ids)
     assert kl_awq < kl_rtn, (kl_awq, kl_rtn)
     assert kl_awq < 0.5  # 4-bit moves the output, but not to noise

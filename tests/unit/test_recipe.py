@@ -80,3 +80,19 @@ def test_inheritance_cycle(tmp_path):
 def test_missing_recipe_lists_known():
     with pytest.raises(RecipeError, match="known recipes: .*smollm2-awq-g64"):
         load_recipe("does-not-exist")
+
+
+def test_gptq_asymmetric_in_gptq_format_refused(tmp_path):
+    msg = _err(tmp_path, method="gptq", zero_point=True)
+    assert "format gptq" in msg and "sym: true" in msg and "compressed-tensors" in msg
+
+
+def test_gptq_formats_and_bits(tmp_path):
+    ok = write_recipe(tmp_path / "ok.yaml", **{**BASE, "method": "gptq", "zero_point": False, "w_bit": 8,
+                                               "q_group_size": -1})
+    assert load_recipe(ok).out_format == "gptq"
+    ct = write_recipe(tmp_path / "ct.yaml", **{**BASE, "method": "gptq", "format": "compressed-tensors"})
+    assert load_recipe(ct).out_format == "compressed-tensors"
+    assert "w_bit 3" in _err(tmp_path, method="gptq", zero_point=False, w_bit=3)
+    assert "q_group_size -1" in _err(tmp_path, q_group_size=-1)  # per-channel not in AWQ GEMM
+    assert "w_bit 8" in _err(tmp_path, w_bit=8)  # AWQ GEMM is 4-bit only

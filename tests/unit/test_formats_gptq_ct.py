@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from quantize.formats import compressed_tensors as ct
+from quantize.formats import gptq
+
+
+def _rand(out_f=64, in_f=256, g=64, bits=4, seed=0, sym=True):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (out_f, in_f), generator=gen, dtype=torch.uint8)
+    n = in_f // g
+    zeros = (torch.full((out_f, n), 2 ** (bits - 1), dtype=torch.int32) if sym
+             else torch.randint(0, 2**bits, (out_f, n), generator=gen, dtype=torch.int32))
+    scales = torch.rand(out_f, n, generator=gen).half()
+    return codes, scales, zeros
+
+
+def test_gptq_golden_and_layout():
+    # input rows 0..7 of output column 0 hold 1..8: nibble j = row j, low bits first -> 0x87654321
+    codes = torch.zeros(8, 8, dtype=torch.uint8)  # [out, in]
+    codes[0, :] = torch.arange(1, 9, dtype=torch.uint8)
+    p = gptq.pack(codes, torch.ones(8, 1).half(), torch.full((8, 1), 8, dtype=torch.int32), 4)
+    assert p["qweight"].shape == (1, 8) and p["qweight"][0, 0].item() == 0x87654321 - 2**32
+    assert p["qzeros"].shape == (1, 1) and p["qzeros"].item() == 0x77777777  # v1: zero - 1, sym 8 -> 7
+    assert p["g_idx"].tolist() == [0] * 8
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_round_trip(bits):
+    codes, scales, zeros = _rand(bits=bits)
+    p = gptq.pack(codes, scales, zeros, bits)
+    assert p["qweight"].shape == (256 * bits // 32, 64) and p["scales"].shape == (4, 64)
+    assert p["qzeros"].shape == (4, 64 * bits // 32) and p["g_idx"].shape == (256,)
+    c, s, z = gptq.unpack(p, bits)
+    assert torch.equal(c, codes) and torch.equal(s, scales) and torch.equal(z, zeros)
+
+
+def test_gptq_permuted_g_idx_refused():
+    p = gptq.pack(*_rand(), 4)
+    p["g_idx"] = p["g_idx"][torch.randperm(256)]
+    with pytest.raises(ValueError, match="not contiguous"):
+        gptq.unpack(p, 4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("sym", [True, False])
+def test_compressed_tensors_round_trip(bits, sym):
+    codes, scales, zeros = _rand(bits=bits, sym=sym)
+    p = ct.pack(codes, scales, zeros, bits, sym)
+    assert p["weight_packed"].shape == (64, 256 * bits // 32) and p["weight_packed"].dtype == torch.int32
+    assert p["weight_shape"].tolist() == [64, 256]
+    assert ("weight_zero_point" in p) == (not sym)
+    if not sym:
+        assert p["weight_zero_point"].shape == (64 * bits // 32, 4)
+    c, s, z = ct.unpack(p, bits)
+    assert torch.equal(c, codes) and torch.equal(s, scales) and torch.equal(z, zeros)
+
+
+def test_compressed_tensors_golden():
+    # signed code + 8 packed along `in`, low bits first: codes 1..8 -> 0x87654321
+    codes = torch.arange(1, 9, dtype=torch.uint8).view(1, 8)
+    p = ct.pack(codes, torch.ones(1, 1).half(), torch.full((1, 1), 8, dtype=torch.int32), 4, True)
+    assert p["weight_packed"].item() == 0x87654321 - 2**32
+
+
+def test_compressed_tensors_config():
+    cfg = ct.quantization_config(4, 128, False, True, ["lm_head"])
+    w = cfg["config_groups"]["group_0"]["weights"]
+    assert cfg["format"] == "pack-quantized" and cfg["quant_method"] == "compressed-tensors"
+    assert (w["num_bits"], w["group_size"], w["symmetric"], w["strategy"], w["actorder"]) == (
+        4, 128, False, "group", "static")
