@@ -22,6 +22,9 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check recipes without loading any model")
     v.add_argument("recipes", nargs="*", help="names or paths (default: every recipe in recipes/)")
     sub.add_parser("list", help="list the shipped recipes")
+    pf = sub.add_parser("preflight", help="check a recipe against the model's shapes and vLLM's kernels; "
+                                          "reads config.json only (no weights)")
+    pf.add_argument("recipe")
     return p
 
 
@@ -45,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
                     failed += 1
                     print(f"INVALID {e}")
             return 1 if failed else 0
+        if args.cmd == "preflight":
+            from .runner import preflight_only
+
+            print(preflight_only(args.recipe))
+            return 0
         from .runner import run
 
         out = run(args.recipe, out_root=args.out, force=args.force)

@@ -55,6 +55,23 @@ class Plan:
         return (f"{len(self.convert)} linears to convert ({ks} on CUDA; CPU build: {', '.join(cpu)}); "
                 f"{len(self.skipped)} kept 16-bit; tensor-parallel sizes OK: {self.tp_sizes}")
 
+    def table(self) -> str:
+        """One row per distinct (linear, shape, kernel) with the number of layers it covers."""
+        rows: dict[tuple, int] = {}
+        for lc in self.layers:
+            local = lc.name.split(".", 3)[-1] if lc.name.count(".") >= 3 else lc.name
+            key = (local, lc.in_features, lc.out_features, lc.cuda_kernel, lc.cpu_kernel, lc.note)
+            rows[key] = rows.get(key, 0) + 1
+        head = f"{'linear':22s} {'in':>6s} {'out':>6s} {'layers':>6s}  {'CUDA kernel':32s} CPU kernel"
+        lines = [head, "-" * len(head)]
+        for (local, i, o, ck, cpu, note), n in rows.items():
+            lines.append(f"{local:22s} {i:6d} {o:6d} {n:6d}  {ck:32s} {cpu}" + (f"  ({note})" if note else ""))
+        for name, why in self.skipped.items():
+            if why != "modules_to_not_convert":
+                lines.append(f"{name}: stays 16-bit: {why}")
+        lines.append(f"tensor-parallel sizes at which every layer stays divisible: {self.tp_sizes}")
+        return "\n".join(lines)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 

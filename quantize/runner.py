@@ -79,6 +79,16 @@ def _tied(model) -> bool:
     return head is not None and head.weight.data_ptr() == embed.weight.data_ptr()
 
 
+def preflight_only(recipe_name: str) -> str:
+    """Resolve, read config, plan: no weights loaded -> the report (also what `run` logs first)."""
+    recipe = load_recipe(recipe_name)
+    src = source.resolve(recipe.model)
+    config = source.read_config(src, recipe.trust_remote_code)
+    the_plan = plan(config, arch_for(config), recipe, is_skipped)
+    return f"{recipe.name}: {recipe.method} w{recipe.w_bit} g{recipe.q_group_size} format {recipe.out_format}\n" \
+           f"{the_plan.summary()}\n{the_plan.table()}\n\n{the_plan.to_json()}"
+
+
 def run(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False) -> Path:
     """Quantize per recipe -> the artifact directory."""
     timings = Timings()
@@ -98,7 +108,7 @@ def run(recipe_name: str, out_root: str | Path = "artifacts", force: bool = Fals
         log.info("recipe %s: %s w%d g%d zero_point=%s format %s on %s (compute %s)", recipe.name, recipe.method,
                  recipe.w_bit, recipe.q_group_size, recipe.zero_point, recipe.out_format, device,
                  str(compute_dtype).removeprefix("torch."))
-        log.info("pre-flight: %s", the_plan.summary())
+        log.info("pre-flight: %s\n%s", the_plan.summary(), the_plan.table())
         for name, why in the_plan.skipped.items():
             if why != "modules_to_not_convert":
                 log.warning("pre-flight: %s stays 16-bit: %s", name, why)

@@ -14,7 +14,8 @@ def test_every_shipped_recipe_parses(name):
 
 def test_shipped_recipes_include_the_required_ones():
     names = set(list_recipes())
-    assert {"qwen7b-awq-g128", "qwen7b-awq-g64", "qwen7b-awq-g32", "smollm2-awq-g64"} <= names
+    assert {"qwen7b-awq-g128", "qwen7b-awq-g64", "qwen7b-awq-g32", "smollm2-awq-g64", "qwen7b-gptq-g128",
+            "qwen7b-gptq-g64", "qwen7b-gptq-g32", "smollm2-gptq-g64"} <= names
     seed = load_recipe("qwen7b-awq-g128")
     assert (seed.model, seed.w_bit, seed.q_group_size, seed.zero_point, seed.version) == (
         "Qwen/Qwen2.5-7B-Instruct", 4, 128, True, "gemm")
@@ -96,3 +97,22 @@ def test_gptq_formats_and_bits(tmp_path):
     assert "w_bit 3" in _err(tmp_path, method="gptq", zero_point=False, w_bit=3)
     assert "q_group_size -1" in _err(tmp_path, q_group_size=-1)  # per-channel not in AWQ GEMM
     assert "w_bit 8" in _err(tmp_path, w_bit=8)  # AWQ GEMM is 4-bit only
+
+
+def test_preflight_on_real_shapes():
+    """Qwen2.5 shapes (config only, meta device): kernels and the tensor-parallel trap of 72B's 29568."""
+    from pathlib import Path
+
+    from quantize.arch import arch_for
+    from quantize.engine import is_skipped
+    from quantize.preflight import plan
+    from quantize.source import ModelSource, read_config
+
+    cfgs = Path(__file__).resolve().parents[2] / "bench" / "configs"
+    q7 = read_config(ModelSource("x", cfgs / "qwen2.5-7b", "dir"))
+    p = plan(q7, arch_for(q7), load_recipe("qwen7b-gptq-g128"), is_skipped)
+    assert len(p.convert) == 28 * 7 and {lc.cuda_kernel for lc in p.layers} == {"gptq_marlin"}
+    assert p.tp_sizes == [1, 2, 4]  # tp 8: o_proj 3584 / 8 = 448 and down_proj 18944 / 8 = 2368 break g128
+    q72 = read_config(ModelSource("x", cfgs / "qwen2.5-72b", "dir"))
+    p72 = plan(q72, arch_for(q72), load_recipe("qwen7b-awq-g128"), is_skipped)
+    assert p72.tp_sizes == [1]  # down_proj 29568 = 128 x 231: any split leaves a partial group of 128
