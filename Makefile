@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 RECIPE ?= smollm2-awq-g64
 PYTEST_ARGS ?=
 
-.PHONY: venv quantize test test-all recipes clean-artifacts
+.PHONY: venv quantize eval test test-all recipes clean-artifacts
 
 venv: $(STAMP)
 
@@ -26,6 +26,11 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml
 # make quantize [RECIPE=name] [FORCE=1]: recipes/<name>.yaml -> artifacts/<name>/
 quantize: $(STAMP)
 	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m quantize run $(RECIPE) $(if $(FORCE),--force)
+
+# make eval [RECIPE=name]: perplexity FP16 vs quantized + vLLM smoke-load -> artifacts/<name>/report.{json,md}
+# (make quantize already runs it unless the recipe sets eval.enabled: false). Exit 3 when a gate fails.
+eval: $(STAMP)
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m eval $(RECIPE)
 
 recipes: $(STAMP)
 	$(PY) -m quantize list

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,7 @@ def vllm_env(work: Path) -> dict[str, str]:
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "inductor"))
     env["TMPDIR"] = str(work)
     env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # the kernel choice is logged at INFO
     return env
 
 
@@ -55,7 +56,15 @@ def run_vllm(model_dir: Path, token_ids: list[list[int]], top_k: int = 5, max_to
         if proc.returncode != 0 or not (work / "out.json").is_file():
             log = (proc.stdout or "") + (proc.stderr or "")
             raise VllmError(f"vLLM failed on {model_dir} (exit {proc.returncode}):\n{root_cause(log)}")
-        return json.loads((work / "out.json").read_text())
+        result = json.loads((work / "out.json").read_text())
+        result["kernels"] = kernels_from_log((proc.stdout or "") + (proc.stderr or ""))
+        return result
+
+
+def kernels_from_log(text: str) -> list[str]:
+    """vLLM's 'Using <Kernel> for <method>' lines -> ['CPUWNA16LinearKernel for AutoAWQMarlinLinearMethod', ...]."""
+    found = re.findall(r"Using (\w+Kernel\w*) for ([\w -]+)", text)
+    return sorted({f"{k} for {m.strip()}" for k, m in found})
 
 
 def root_cause(stderr: str, keep: int = 12) -> str:

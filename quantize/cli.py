@@ -19,6 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("recipe", help="recipe name (recipes/<name>.yaml) or path to a YAML file")
     r.add_argument("--out", default="artifacts", help="parent directory of the artifact (default: artifacts)")
     r.add_argument("--force", action="store_true", help="replace an existing artifact directory")
+    r.add_argument("--no-eval", action="store_true", help="skip the eval stage even if the recipe enables it")
     v = sub.add_parser("validate", help="check recipes without loading any model")
     v.add_argument("recipes", nargs="*", help="names or paths (default: every recipe in recipes/)")
     sub.add_parser("list", help="list the shipped recipes")
@@ -57,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
 
         out = run(args.recipe, out_root=args.out, force=args.force)
         print(out)
+        recipe = load_recipe(args.recipe)
+        if recipe.eval.enabled and not args.no_eval:
+            from eval.cli import run_eval
+
+            return run_eval(out, None, recipe.eval)
         return 0
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)

@@ -80,6 +80,15 @@ def _fsync_tree(root: Path) -> None:
         os.close(fd)
 
 
+def _readable(root: Path) -> None:
+    """Files as the user's umask allows (safetensors writes 0600): a registry or server reads them later."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in root.rglob("*"):
+        os.chmod(p, (0o755 if p.is_dir() else 0o644) & ~umask)
+    os.chmod(root, 0o755 & ~umask)
+
+
 def file_hashes(root: Path) -> dict[str, dict]:
     """Every file under root except the manifest -> {sha256, bytes}."""
     out = {}
@@ -101,6 +110,7 @@ def atomic_write_dir(out: Path, fill: Callable[[Path], dict], force: bool = Fals
         extras = fill(tmp)
         manifest = {**extras, "files": file_hashes(tmp)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        _readable(tmp)
         _fsync_tree(tmp)
         if out.exists():
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"

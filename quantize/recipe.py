@@ -71,6 +71,37 @@ class GptqOptions(_Strict):
     block_size: int = Field(128, gt=0)  # lazy-batch width of the column sweep
 
 
+class PerplexityOptions(_Strict):
+    """Perplexity protocol (defaults = the GPTQ/AWQ papers': WikiText-2 test, 2048-token windows)."""
+
+    dataset: str = "wikitext2"  # wikitext2 | a local .txt path
+    seq_len: int = Field(2048, gt=1)
+    max_windows: int | None = Field(None, gt=0)  # None = every full window
+
+
+class VllmSmokeOptions(_Strict):
+    enabled: bool = True
+    timeout_s: int = Field(600, gt=0)
+    max_tokens: int = Field(32, gt=0)
+    min_token_agreement: float = Field(0.6, ge=0, le=1)  # teacher-forced top-1 agreement with the FP16 model
+
+
+class LmEvalOptions(_Strict):
+    tasks: tuple[str, ...] = ()
+    limit: int | None = Field(None, gt=0)
+
+
+class EvalOptions(_Strict):
+    """What `make eval` measures, and the gates that fail it."""
+
+    enabled: bool = True  # make quantize runs eval unless false
+    perplexity: PerplexityOptions = PerplexityOptions()
+    max_ppl_delta: float | None = Field(None, ge=0)  # quantized ppl - FP16 ppl
+    max_ppl_delta_pct: float | None = Field(None, ge=0)  # 100 * delta / FP16 ppl
+    vllm: VllmSmokeOptions = VllmSmokeOptions()
+    lm_eval: LmEvalOptions = LmEvalOptions()
+
+
 class Recipe(_Strict):
     """A validated recipe. Field names map 1:1 to the YAML keys."""
 
@@ -88,6 +119,7 @@ class Recipe(_Strict):
     calibration: Calibration = Calibration()
     awq: AwqOptions = AwqOptions()
     gptq: GptqOptions = GptqOptions()
+    eval: EvalOptions = EvalOptions()
     modules_to_not_convert: tuple[str, ...] = ("lm_head",)
     dtype: Literal["float16", "bfloat16"] = "float16"
     compute_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"

@@ -98,3 +98,4 @@ def heldout_ids(model_dir: Path, n: int = 4, seq: int = 64) -> torch.Tensor:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     return calib.make_samples(calib.load_text("wikitext2").documents, tok, n, seq, seed=123)
+

@@ -8,7 +8,8 @@ Calibration blocks come from quantize.calib (load_text + make_samples, same seed
 to `oneshot` as a pre-tokenized datasets.Dataset (input_ids, attention_mask), unshuffled. Scheme: int4
 symmetric, group strategy, targets Linear, lm_head ignored, memoryless min-max weight observer (the
 llm-compressor default). The model is calibrated in --compute-dtype (float32, as our pipeline does on
-the CPU) and saved compressed (compressed-tensors pack-quantized) in --save-dtype. Writes
+the CPU) and saved compressed (compressed-tensors pack-quantized) in --save-dtype (float16, as our
+recipes write; recasting after GPTQ leaves every int4 value unchanged, only scales are rounded). Writes
 OUT/peer_run.json with versions, timings, the modifier config and peak RSS. HF_HUB_OFFLINE defaults
 to 1 here, so `pileval`/`wikitext2` resolve to the bundled files in data/ unless it is set to 0.
 """
@@ -56,7 +57,7 @@ def main() -> None:
     ap.add_argument("--actorder", choices=["static", "none"], default="static",
                     help="static = llm-compressor's default (reorders during GPTQ only; groups stay contiguous)")
     ap.add_argument("--compute-dtype", choices=DTYPES, default="float32")
-    ap.add_argument("--save-dtype", choices=DTYPES, default="bfloat16")
+    ap.add_argument("--save-dtype", choices=DTYPES, default="float16", help="our smollm2 recipes write float16")
     args = ap.parse_args()
     out = Path(args.out)
 

@@ -154,3 +154,26 @@ def test_symmetric_writes_zero_8(tmp_path, tiny_llama):
     with safe_open(str(out / "model.safetensors"), "pt") as st:
         z = awq_gemm.unpack_int4_cols(st.get_tensor("model.layers.0.mlp.up_proj.qzeros"))
     assert (z == 8).all()
+
+
+def test_sharded_source_checkpoint(tiny_llama, tmp_path):
+    """A source checkpoint split into several safetensors shards loads and quantizes like a single file."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "sharded"
+    shutil.copytree(tiny_llama, src)
+    (src / "model.safetensors").unlink()
+    AutoModelForCausalLM.from_pretrained(tiny_llama).save_pretrained(src, max_shard_size="400KB")
+    assert len(list(src.glob("model-*.safetensors"))) > 1
+    a = runner.run(tiny_recipe(tmp_path, src, name="from-shards", method="rtn"), out_root=tmp_path / "a")
+    b = runner.run(tiny_recipe(tmp_path, tiny_llama, name="from-single", method="rtn"), out_root=tmp_path / "a")
+    sa, _ = dequantized_state_dict(a)
+    sb, _ = dequantized_state_dict(b)
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (a / "model.safetensors").stat().st_mode & 0o777 == 0o644 & ~umask  # not safetensors' 0600

@@ -1,0 +1,99 @@
+"""Eval stage on tiny models: deterministic perplexity, gates, report + manifest hash, vLLM smoke pass/fail."""
+
+import json
+
+import pytest
+import torch
+
+from eval.cli import main as eval_main
+from eval.perplexity import Protocol, perplexity, windows
+from eval.report import report_hash_ok
+from quantize import runner
+from tests.conftest import tiny_recipe, write_recipe
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_llama, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("eval")
+    recipe = tiny_recipe(tmp, tiny_llama, name="tiny-eval",
+                         eval=dict(perplexity=dict(dataset="wikitext2", seq_len=256, max_windows=4),
+                                   vllm=dict(max_tokens=8, min_token_agreement=0.3)))
+    return runner.run(recipe, out_root=tmp / "a"), recipe
+
+
+def test_perplexity_same_twice(tiny_llama):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    text = "\n\n".join(["The tower is 324 metres tall, about the same height as an 81-storey building."] * 40)
+    wins = windows(tok, text, Protocol(seq_len=64, max_windows=5))
+    assert wins.shape == (5, 64)
+    a, b = perplexity(model, wins), perplexity(model, wins)
+    assert a["ppl"] == b["ppl"] and a["tokens"] == 5 * 63 and 1 < a["ppl"] < 10_000
+
+
+@pytest.fixture(scope="module")
+def smollm2_rtn(tmp_path_factory):
+    """The real small model (SmolLM2-135M), round-to-nearest g64: seconds to make, and its perplexity means
+    something (random-init tiny models are near-uniform, so damaging them barely moves perplexity)."""
+    tmp = tmp_path_factory.mktemp("smol")
+    recipe = write_recipe(tmp / "smol-rtn.yaml", base="smollm2-rtn-g64", name="smol-rtn",
+                          eval=dict(perplexity=dict(seq_len=512, max_windows=3), max_ppl_delta_pct=25.0))
+    return runner.run(recipe, out_root=tmp / "a"), recipe
+
+
+def test_gate_fails_with_numbers(smollm2_rtn, capsys, tmp_path):
+    """A damaged artifact (random codes in one layer) raises perplexity: gate fails, exit 3, numbers printed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out, recipe = smollm2_rtn
+    assert eval_main([str(recipe), "--artifact", str(out), "--no-vllm"]) == 0
+    ok = json.loads((out / "report.json").read_text())
+    assert ok["passed"] and 0 < ok["perplexity"]["delta_pct"] < 25 and report_hash_ok(out)
+    md = (out / "report.md").read_text()
+    assert "FP16 (base)" in md and "quantized (decoded from the artifact)" in md
+    bad = tmp_path / "damaged"
+    shutil.copytree(out, bad)
+    t = load_file(str(bad / "model.safetensors"))
+    name = "model.layers.3.mlp.down_proj.qweight"
+    t[name] = torch.randint(-2**31, 2**31 - 1, t[name].shape, dtype=torch.int32,
+                            generator=torch.Generator().manual_seed(0))
+    save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    code = eval_main([str(recipe), "--artifact", str(bad), "--no-vllm"])
+    captured = capsys.readouterr()
+    assert code == 3 and "> eval.max_ppl_delta_pct 25.0%" in captured.err
+    assert "perplexity FP16" in captured.out
+    rep = json.loads((bad / "report.json").read_text())
+    assert rep["passed"] is False and rep["perplexity"]["delta_pct"] > 25
+    assert rep["perplexity"]["fp16"]["ppl"] == ok["perplexity"]["fp16"]["ppl"]  # same protocol, same windows
+    assert "FAILED" in (bad / "report.md").read_text()
+
+
+@pytest.mark.vllm
+def test_smoke_passes_then_corrupted_artifact_fails(artifact, capsys, tmp_path):
+    import shutil
+
+    out, recipe = artifact
+    assert eval_main([str(recipe), "--artifact", str(out)]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    s = rep["vllm_smoke"]
+    assert s["passed"] and s["method"] == "awq" and s["checks"] == {"loaded": True, "method": True,
+                                                                      "not_degenerate": True, "agreement": True}
+    assert any("CPUWNA16" in k for k in s["kernels"]) and s["tokens_per_s"] > 0
+    assert rep["perplexity"]["protocol"]["windows"] == 4
+    # corrupt: truncate the weights file -> vLLM cannot load it -> clear message, non-zero exit
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    from eval.report import write_report  # noqa: F401  (report goes into the bad copy)
+    from eval.smoke import smoke
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = json.loads((out / "manifest.json").read_text())["model"]["spec"]
+    res = smoke(bad, AutoModelForCausalLM.from_pretrained(base), AutoTokenizer.from_pretrained(base), max_tokens=4)
+    assert res["passed"] is False and res["checks"]["loaded"] is False
+    assert "vLLM failed on" in res["errors"][0]
