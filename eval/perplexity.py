@@ -34,11 +34,26 @@ class Protocol:
     tail: str = "dropped"
 
 
+C4_SHARD = "en/c4-validation.00000-of-00008.json.gz"  # the shard the GPTQ paper's C4 evaluation reads
+C4_DOCS = 1100
+
+
 def load_eval_text(dataset: str) -> tuple[str, str]:
-    """'wikitext2' or a local .txt path -> (text, source)."""
+    """'wikitext2', 'c4' (hub only: first 1100 documents of the first English validation shard, joined with
+    "\n\n") or a local .txt path -> (text, source)."""
+    if dataset == "c4":
+        import os
+
+        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+            raise FileNotFoundError("perplexity dataset 'c4' needs the Hugging Face hub (HF_HUB_OFFLINE=1 is set); "
+                                    "use wikitext2 or a local .txt file")
+        import datasets
+
+        ds = datasets.load_dataset("allenai/c4", data_files={"validation": C4_SHARD}, split="validation")
+        return "\n\n".join(ds.select(range(C4_DOCS))["text"]), f"hub:allenai/c4/{C4_SHARD}[:{C4_DOCS}]"
     path = BUNDLED.get(dataset, Path(dataset))
     if not path.is_file():
-        raise FileNotFoundError(f"perplexity dataset {dataset!r}: use wikitext2 or a local .txt file")
+        raise FileNotFoundError(f"perplexity dataset {dataset!r}: use wikitext2, c4 (hub) or a local .txt file")
     return path.read_text(encoding="utf-8"), str(path)
 
 

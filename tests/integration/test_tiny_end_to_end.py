@@ -177,3 +177,19 @@ def test_sharded_source_checkpoint(tiny_llama, tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert (a / "model.safetensors").stat().st_mode & 0o777 == 0o644 & ~umask  # not safetensors' 0600
+
+
+def test_on_indivisible_skip_keeps_layers_16bit(tmp_path):
+    """hidden 192 is not divisible by 128: with on_indivisible: skip those linears stay 16-bit, and say so."""
+    d = build_tiny_model(tmp_path / "m192", "llama", hidden=192, intermediate=384, heads=3, kv_heads=1, layers=1)
+    out = runner.run(tiny_recipe(tmp_path, d, name="skip", method="rtn", q_group_size=128, on_indivisible="skip"),
+                     out_root=tmp_path / "a")
+    m = json.loads((out / "manifest.json").read_text())
+    skipped = {k for k, v in m["skipped_linears"].items() if "on_indivisible" in v}
+    assert skipped == {f"model.layers.0.{n}" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                        "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")}
+    assert m["quantized_modules"] == 1  # down_proj: in 384 = 3 x 128
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert set(cfg["modules_to_not_convert"]) == {"lm_head", *skipped}
+    state, _ = dequantized_state_dict(out)
+    assert state["model.layers.0.self_attn.q_proj.weight"].shape == (192, 192)
