@@ -38,9 +38,11 @@ recipes: $(STAMP)
 # The suite CI runs: unit + integration, including real vLLM loads; no GPU tests, no slow tests.
 # A private --basetemp: pytest rotates /tmp/pytest-of-<user>, so two concurrent runs would delete each other's files.
 test: $(STAMP)
+	mkdir -p .cache
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not slow and not gpu" --basetemp=$(CURDIR)/.cache/pytest-tmp $(PYTEST_ARGS)
 
 test-all: $(STAMP)
+	mkdir -p .cache
 	HF_HUB_OFFLINE=1 $(PY) -m pytest --basetemp=$(CURDIR)/.cache/pytest-tmp $(PYTEST_ARGS)
 
 clean-artifacts:
