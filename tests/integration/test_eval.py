@@ -39,12 +39,12 @@ def smollm2_rtn(tmp_path_factory):
     something (random-init tiny models are near-uniform, so damaging them barely moves perplexity)."""
     tmp = tmp_path_factory.mktemp("smol")
     recipe = write_recipe(tmp / "smol-rtn.yaml", base="smollm2-rtn-g64", name="smol-rtn",
-                          eval=dict(perplexity=dict(seq_len=512, max_windows=3), max_ppl_delta_pct=25.0))
+                          eval=dict(perplexity=dict(seq_len=512, max_windows=3), max_ppl_delta_pct=60.0))
     return runner.run(recipe, out_root=tmp / "a"), recipe
 
 
 def test_gate_fails_with_numbers(smollm2_rtn, capsys, tmp_path):
-    """A damaged artifact (random codes in one layer) raises perplexity: gate fails, exit 3, numbers printed."""
+    """A damaged artifact (random codes in four layers) raises perplexity: gate fails, exit 3, numbers printed."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -52,22 +52,23 @@ def test_gate_fails_with_numbers(smollm2_rtn, capsys, tmp_path):
     out, recipe = smollm2_rtn
     assert eval_main([str(recipe), "--artifact", str(out), "--no-vllm"]) == 0
     ok = json.loads((out / "report.json").read_text())
-    assert ok["passed"] and 0 < ok["perplexity"]["delta_pct"] < 25 and report_hash_ok(out)
+    assert ok["passed"] and 0 < ok["perplexity"]["delta_pct"] < 60 and report_hash_ok(out)  # RTN g64: about +35%
     md = (out / "report.md").read_text()
     assert "FP16 (base)" in md and "quantized (decoded from the artifact)" in md
     bad = tmp_path / "damaged"
     shutil.copytree(out, bad)
     t = load_file(str(bad / "model.safetensors"))
-    name = "model.layers.3.mlp.down_proj.qweight"
-    t[name] = torch.randint(-2**31, 2**31 - 1, t[name].shape, dtype=torch.int32,
-                            generator=torch.Generator().manual_seed(0))
+    for i in range(2, 6):
+        name = f"model.layers.{i}.mlp.down_proj.qweight"
+        t[name] = torch.randint(-2**31, 2**31 - 1, t[name].shape, dtype=torch.int32,
+                                generator=torch.Generator().manual_seed(i))
     save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
     code = eval_main([str(recipe), "--artifact", str(bad), "--no-vllm"])
     captured = capsys.readouterr()
-    assert code == 3 and "> eval.max_ppl_delta_pct 25.0%" in captured.err
+    assert code == 3 and "> eval.max_ppl_delta_pct 60.0%" in captured.err
     assert "perplexity FP16" in captured.out
     rep = json.loads((bad / "report.json").read_text())
-    assert rep["passed"] is False and rep["perplexity"]["delta_pct"] > 25
+    assert rep["passed"] is False and rep["perplexity"]["delta_pct"] > 60
     assert rep["perplexity"]["fp16"]["ppl"] == ok["perplexity"]["fp16"]["ppl"]  # same protocol, same windows
     assert "FAILED" in (bad / "report.md").read_text()
 
