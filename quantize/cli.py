@@ -6,10 +6,17 @@ import argparse
 import logging
 import sys
 
+from .arch import UnsupportedArchitecture
+from .calib import CalibrationError
+from .export import OutputExistsError
+from .preflight import PreflightError
 from .recipe import RecipeError, list_recipes, load_recipe
+from .source import ModelSourceError
 
-# Errors a user can cause: printed as one clear message, exit code 2, no traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (RecipeError, ValueError, FileExistsError, FileNotFoundError)
+# Errors a user can cause: printed as one clear message, exit code 2, no traceback. Anything else is a bug
+# and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (RecipeError, PreflightError, ModelSourceError, CalibrationError,
+                                                UnsupportedArchitecture, OutputExistsError, FileNotFoundError)
 
 
 def _parser() -> argparse.ArgumentParser:
