@@ -21,6 +21,31 @@ class ArtifactError(ValueError):
     pass
 
 
+def verify_manifest(path: Path) -> bool:
+    """Check every file the artifact's manifest lists (and its report hashes) -> True; False if no manifest.
+
+    Raises ArtifactError naming each file that is missing or whose sha256 differs: such an artifact is refused.
+    """
+    from quantize.export import MANIFEST, sha256_file
+
+    mpath = Path(path) / MANIFEST
+    if not mpath.is_file():
+        return False
+    m = json.loads(mpath.read_text())
+    expected = {name: rec["sha256"] for name, rec in m.get("files", {}).items()}
+    expected.update({n: h for n, h in m.get("report", {}).items() if n != "passed"})
+    bad = []
+    for name, sha in sorted(expected.items()):
+        f = Path(path) / name
+        if not f.is_file():
+            bad.append(f"{name} (missing)")
+        elif sha256_file(f) != sha:
+            bad.append(f"{name} (sha256 differs from the manifest)")
+    if bad:
+        raise ArtifactError(f"{path}: refused, the manifest does not verify: {', '.join(bad)}")
+    return True
+
+
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a (sharded) safetensors checkpoint directory."""
     files = sorted(Path(path).glob("*.safetensors"))

@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S", stream=sys.stderr)
     from quantize.recipe import EvalOptions, RecipeError, load_recipe
 
+    from .artifact import ArtifactError
+
     try:
         if a.recipe:
             recipe = load_recipe(a.recipe)
@@ -60,6 +62,6 @@ def main(argv: list[str] | None = None) -> int:
         if a.no_vllm:
             eopts = eopts.model_copy(update={"vllm": eopts.vllm.model_copy(update={"enabled": False})})
         return run_eval(artifact, a.base, eopts)
-    except (RecipeError, ValueError, FileNotFoundError) as e:
+    except (RecipeError, ArtifactError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

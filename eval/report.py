@@ -25,7 +25,7 @@ import torch
 from quantize import source
 from quantize.export import MANIFEST, sha256_file
 
-from .artifact import load_dequantized
+from .artifact import load_dequantized, verify_manifest
 from .perplexity import Protocol, load_eval_text, perplexity, protocol_record, windows
 from .smoke import smoke
 
@@ -87,6 +87,7 @@ def _gates(ppl: dict | None, eopts) -> dict:
 def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.dtype | None = None) -> dict:
     """Run the whole eval stage on `artifact` -> report dict (also written into the artifact)."""
     artifact = Path(artifact)
+    verified = verify_manifest(artifact)  # refuses a tampered artifact before anything reads it
     manifest = json.loads((artifact / MANIFEST).read_text()) if (artifact / MANIFEST).is_file() else {}
     base_spec = base_spec or manifest.get("model", {}).get("spec")
     if not base_spec:
@@ -113,7 +114,7 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     gates = _gates(ppl, eopts)
     passed = gates["passed"] and smoke_res.get("passed", True)
     report = {
-        "artifact": str(artifact), "base_model": base_spec, "reference_dtype": str(dtype).removeprefix("torch."),
+        "artifact": str(artifact), "manifest_verified": verified, "base_model": base_spec, "reference_dtype": str(dtype).removeprefix("torch."),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": _machine(),
         "perplexity": ppl, "gates": gates, "vllm_smoke": smoke_res, "lm_eval": lm,
         "quantize_timings_s": manifest.get("timings_s"), "eval_timings_s": timings, "passed": passed,

@@ -63,6 +63,16 @@ def test_gate_fails_with_numbers(smollm2_rtn, capsys, tmp_path):
         t[name] = torch.randint(-2**31, 2**31 - 1, t[name].shape, dtype=torch.int32,
                                 generator=torch.Generator().manual_seed(i))
     save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    # tampered: the manifest no longer verifies, so eval refuses it and names the file
+    assert eval_main([str(recipe), "--artifact", str(bad), "--no-vllm"]) == 2
+    assert "model.safetensors (sha256 differs from the manifest)" in capsys.readouterr().err
+    # a badly quantized but intact artifact: re-hash it into its manifest, then the gate must catch it
+    from quantize.export import sha256_file
+
+    m = json.loads((bad / "manifest.json").read_text())
+    m["files"]["model.safetensors"]["sha256"] = sha256_file(bad / "model.safetensors")
+    m.pop("report", None)
+    (bad / "manifest.json").write_text(json.dumps(m))
     code = eval_main([str(recipe), "--artifact", str(bad), "--no-vllm"])
     captured = capsys.readouterr()
     assert code == 3 and "> eval.max_ppl_delta_pct 60.0%" in captured.err

@@ -193,3 +193,20 @@ def test_on_indivisible_skip_keeps_layers_16bit(tmp_path):
     assert set(cfg["modules_to_not_convert"]) == {"lm_head", *skipped}
     state, _ = dequantized_state_dict(out)
     assert state["model.layers.0.self_attn.q_proj.weight"].shape == (192, 192)
+
+
+def test_manifest_verifies_and_tampering_is_refused(llama_artifact, tmp_path):
+    import shutil
+
+    from eval.artifact import ArtifactError, verify_manifest
+
+    assert verify_manifest(llama_artifact) is True
+    bad = tmp_path / "bad"
+    shutil.copytree(llama_artifact, bad)
+    with open(bad / "config.json", "a") as f:
+        f.write(" ")
+    (bad / "tokenizer.json").unlink()
+    with pytest.raises(ArtifactError, match=r"config.json \(sha256 differs.*tokenizer.json \(missing\)"):
+        verify_manifest(bad)
+    (bad / "manifest.json").unlink()
+    assert verify_manifest(bad) is False  # a directory we did not make: nothing to verify against
