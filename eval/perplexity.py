@@ -42,9 +42,9 @@ def load_eval_text(dataset: str) -> tuple[str, str]:
     """'wikitext2', 'c4' (hub only: first 1100 documents of the first English validation shard, joined with
     "\n\n") or a local .txt path -> (text, source)."""
     if dataset == "c4":
-        import os
+        from quantize.calib import hub_offline
 
-        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        if hub_offline():
             raise FileNotFoundError("perplexity dataset 'c4' needs the Hugging Face hub (HF_HUB_OFFLINE=1 is set); "
                                     "use wikitext2 or a local .txt file")
         import datasets

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from quantize import source
+from quantize.calib import hub_offline
 from quantize.export import MANIFEST, sha256_file
 
 from .artifact import load_dequantized, verify_manifest
@@ -42,7 +43,7 @@ def _lm_eval(artifact: Path, opts) -> dict:
     """Run the lm-evaluation-harness (its vLLM backend) when its task data can be reached; else say why not."""
     if not opts.tasks:
         return {"skipped": "no eval.lm_eval.tasks in the recipe"}
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+    if hub_offline():
         return {"skipped": f"HF_HUB_OFFLINE=1: task data for {list(opts.tasks)} cannot be fetched"}
     if shutil.which("lm_eval") is None and subprocess.run([sys.executable, "-c", "import lm_eval"],
                                                           capture_output=True).returncode:

@@ -49,7 +49,8 @@ def _split_paragraphs(text: str) -> list[str]:
     return [p.strip() for p in text.split("\n\n") if p.strip()]
 
 
-def _offline() -> bool:
+def hub_offline() -> bool:
+    """The one rule for 'the hub may not be used' (HF_HUB_OFFLINE=1/true/yes), shared by every loader."""
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
 
 
@@ -91,7 +92,7 @@ def load_text(dataset: str, split: str | None = None, subset: str | None = None,
         return CalibText(docs, str(path.resolve()), _sha(docs))
     if dataset in KNOWN:
         hub_id, hub_subset, hub_split, bundled = KNOWN[dataset]
-        if not _offline():
+        if not hub_offline():
             try:
                 docs = _from_hub(hub_id, subset or hub_subset, split or hub_split, column, None)
                 return CalibText(docs, f"hub:{hub_id}/{subset or hub_subset}:{split or hub_split}", _sha(docs))
@@ -99,7 +100,7 @@ def load_text(dataset: str, split: str | None = None, subset: str | None = None,
                 log.warning("calibration: %s not reachable on the hub (%s); using bundled %s", hub_id, e, bundled)
         docs = _split_paragraphs((DATA_DIR / bundled).read_text(encoding="utf-8"))
         return CalibText(docs, str(DATA_DIR / bundled), _sha(docs))
-    if _offline():
+    if hub_offline():
         raise CalibrationError(
             f"calibration.dataset {dataset!r} is a hub dataset but HF_HUB_OFFLINE=1; use pileval, wikitext2 "
             f"or a local .txt/.jsonl/.parquet path"

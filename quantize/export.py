@@ -134,7 +134,7 @@ def build_state_dict(model, quantized: dict[str, dict[str, torch.Tensor]], dtype
     """
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
-        if name in drop or name.removesuffix(".weight") in quantized and name.endswith(".weight"):
+        if name in drop or (name.endswith(".weight") and name.removesuffix(".weight") in quantized):
             continue
         out[name] = t.detach().to("cpu", dtype) if t.is_floating_point() else t.detach().cpu()
     for module, packed in quantized.items():

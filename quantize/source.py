@@ -10,7 +10,6 @@ Accepted forms:
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -21,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .calib import hub_offline
+from .export import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +57,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("QUANTIZE_CACHE_DIR", Path.home() / ".cache" / "quantize"))
 
 
-def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _package_file(spec: str) -> Path:
     rest = spec.removeprefix("package:")
     pkg, _, rel = rest.partition("/")
@@ -76,10 +70,6 @@ def _package_file(spec: str) -> Path:
     if not path.is_file():
         raise ModelSourceError(f"model {spec!r}: {path} does not exist in package {pkg!r}")
     return path
-
-
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
 
 
 def resolve(spec: str) -> ModelSource:
@@ -107,16 +97,16 @@ def resolve(spec: str) -> ModelSource:
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
     try:
-        path = snapshot_download(spec, allow_patterns=patterns, local_files_only=_offline())
+        path = snapshot_download(spec, allow_patterns=patterns, local_files_only=hub_offline())
     except Exception as e:
-        hint = " (HF_HUB_OFFLINE=1 and it is not in the local hub cache)" if _offline() else ""
+        hint = " (HF_HUB_OFFLINE=1 and it is not in the local hub cache)" if hub_offline() else ""
         raise ModelSourceError(f"model {spec!r} could not be fetched from the hub{hint}: {e}") from None
     return ModelSource(spec, Path(path), "hub")
 
 
 def gguf_to_dir(gguf: Path) -> tuple[Path, str]:
     """Dequantize a GGUF checkpoint once into a cached bf16 safetensors directory -> (dir, gguf sha256)."""
-    sha = _sha256_file(gguf)
+    sha = sha256_file(gguf)
     target = cache_dir() / "gguf" / f"{gguf.stem}-{sha[:16]}"
     if (target / "config.json").is_file():
         return target, sha

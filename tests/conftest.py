@@ -99,3 +99,11 @@ def heldout_ids(model_dir: Path, n: int = 4, seq: int = 64) -> torch.Tensor:
     tok = AutoTokenizer.from_pretrained(model_dir)
     return calib.make_samples(calib.load_text("wikitext2").documents, tok, n, seq, seed=123)
 
+
+
+def kl_divergence(ref, model, ids: torch.Tensor) -> float:
+    """Mean per-token KL(ref || model) of next-token distributions on ids [n, seq]."""
+    with torch.no_grad():
+        a = torch.log_softmax(ref(ids).logits.float(), -1)
+        b = torch.log_softmax(model(ids).logits.float(), -1)
+    return (a.exp() * (a - b)).sum(-1).mean().item()

@@ -10,7 +10,7 @@ from eval.agreement import hf_logprobs, prompt_logprob_delta
 from eval.artifact import load_dequantized
 from eval.vllm_run import run_vllm
 from quantize import runner
-from tests.conftest import heldout_ids, tiny_recipe
+from tests.conftest import heldout_ids, kl_divergence as _kl, tiny_recipe
 
 GPTQ = dict(method="gptq", zero_point=False, gptq=dict(act_order=True, true_sequential=True, block_size=64))
 
@@ -20,13 +20,6 @@ CASES = {
     "ct-w8-sym": dict(GPTQ, w_bit=8, format="compressed-tensors", q_group_size=128),
     "gptq-w8-perchannel": dict(GPTQ, w_bit=8, q_group_size=-1),
 }
-
-
-def _kl(ref, model, ids):
-    with torch.no_grad():
-        a = torch.log_softmax(ref(ids).logits.float(), -1)
-        b = torch.log_softmax(model(ids).logits.float(), -1)
-    return (a.exp() * (a - b)).sum(-1).mean().item()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from eval.artifact import dequantized_state_dict, load_dequantized
 from quantize import export, runner
 from quantize.arch import UnsupportedArchitecture
 from quantize.formats import awq_gemm
-from tests.conftest import heldout_ids, build_tiny_model, tiny_recipe
+from tests.conftest import heldout_ids, kl_divergence as _kl, build_tiny_model, tiny_recipe
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +56,6 @@ def test_awq_search_never_worse_than_rtn(llama_artifact):
     for layer in m["awq_stats"].values():
         for g in layer.values():
             assert g["loss"] <= g["loss_rtn"]
-
-
-def _kl(ref, model, ids):
-    with torch.no_grad():
-        a = torch.log_softmax(ref(ids).logits.float(), -1)
-        b = torch.log_softmax(model(ids).logits.float(), -1)
-    return (a.exp() * (a - b)).sum(-1).mean().item()
 
 
 def test_awq_artifact_closer_to_source_than_rtn(llama_artifact, tiny_llama, tmp_path):
