@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 
-def run_eval(artifact: Path, base: str | None, eopts) -> int:
+def run_eval(artifact: Path, base: str | None, eopts, cache: dict | None = None) -> int:
     from .report import evaluate
 
-    r = evaluate(artifact, base, eopts)
+    r = evaluate(artifact, base, eopts, cache=cache)
     p = r["perplexity"]
     print(f"perplexity FP16 {p['fp16']['ppl']:.4f}  quantized {p['quantized']['ppl']:.4f}  "
           f"delta {p['delta']:+.4f} ({p['delta_pct']:+.2f}%)  [{p['protocol']['windows']} x "

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from quantize import source
+from quantize import modelcard, source
 from quantize.calib import hub_offline
 from quantize.export import MANIFEST, sha256_file
 
@@ -59,12 +59,15 @@ def _lm_eval(artifact: Path, opts) -> dict:
         return json.loads(found[-1].read_text())["results"] if found else {"error": "no results file written"}
 
 
-def _ppl_block(reference, quantized, tokenizer, popts) -> dict:
+def _ppl_block(reference, quantized, tokenizer, popts, cache: dict) -> dict:
     proto = Protocol(dataset=popts.dataset, seq_len=popts.seq_len, max_windows=popts.max_windows)
     text, where = load_eval_text(popts.dataset)
     wins = windows(tokenizer, text, proto)
     log.info("perplexity: %d windows of %d tokens from %s", wins.shape[0], proto.seq_len, where)
-    fp = perplexity(reference, wins)
+    key = ("fp_ppl", proto)
+    if key not in cache:  # the reference's perplexity is the same for every artifact of one base model
+        cache[key] = perplexity(reference, wins)
+    fp = cache[key]
     q = perplexity(quantized, wins)
     delta = q["ppl"] - fp["ppl"]
     return {"protocol": protocol_record(proto, text, where, wins),
@@ -85,8 +88,13 @@ def _gates(ppl: dict | None, eopts) -> dict:
             "failures": failures, "passed": not failures}
 
 
-def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.dtype | None = None) -> dict:
-    """Run the whole eval stage on `artifact` -> report dict (also written into the artifact)."""
+def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.dtype | None = None,
+             cache: dict | None = None) -> dict:
+    """Run the whole eval stage on `artifact` -> report dict (also written into the artifact).
+
+    cache: pass one dict to several calls on artifacts of the same base model (a comparison) so the reference
+    model is loaded, and its perplexity computed, once.
+    """
     artifact = Path(artifact)
     verified = verify_manifest(artifact)  # refuses a tampered artifact before anything reads it
     manifest = json.loads((artifact / MANIFEST).read_text()) if (artifact / MANIFEST).is_file() else {}
@@ -96,13 +104,16 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     dtype = compute_dtype or (torch.float16 if torch.cuda.is_available() else torch.float32)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    src = source.resolve(base_spec)
-    reference = source.load_model(src, dtype)
-    tokenizer = source.load_tokenizer(src)
+    shared = cache.setdefault((base_spec, str(dtype)), {}) if cache is not None else {}
+    if "reference" not in shared:
+        src = source.resolve(base_spec)
+        shared["reference"] = source.load_model(src, dtype)
+        shared["tokenizer"] = source.load_tokenizer(src)
+    reference, tokenizer = shared["reference"], shared["tokenizer"]
     quantized = load_dequantized(artifact, dtype)
     timings["load"] = round(time.perf_counter() - t0, 2)
     t0 = time.perf_counter()
-    ppl = _ppl_block(reference, quantized, tokenizer, eopts.perplexity)
+    ppl = _ppl_block(reference, quantized, tokenizer, eopts.perplexity, shared)
     timings["perplexity"] = round(time.perf_counter() - t0, 2)
     del quantized
     smoke_res: dict = {"skipped": "eval.vllm.enabled is false"}
@@ -180,6 +191,10 @@ def write_report(artifact: Path, report: dict) -> None:
         m = json.loads(mpath.read_text())
         m["report"] = {n: sha256_file(artifact / n) for n in ("report.json", "report.md")}
         m["report"]["passed"] = report["passed"]
+        if "recipe" in m:  # our artifact: its model card gains the measured numbers
+            _atomic_write(artifact / "README.md", modelcard.render(m, report))
+            m.setdefault("files", {})["README.md"] = {"sha256": sha256_file(artifact / "README.md"),
+                                                      "bytes": (artifact / "README.md").stat().st_size}
         _atomic_write(mpath, json.dumps(m, indent=2) + "\n")
 
 

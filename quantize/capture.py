@@ -7,10 +7,12 @@ needs one layer plus the calibration activations there.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -106,40 +108,77 @@ def forward_with_features(
     return outs, {n: torch.cat(p, dim=0) for n, p in parts.items()}
 
 
-def run_layerwise(
+class LayerJob(Protocol):
+    """One recipe's work in a shared layer-by-layer pass (see `run_shared`).
+
+    propagate: "fp" - this layer's inputs are the FP model's (shared by every such job);
+    "quantized" - the outputs of the previous layer as this job left it (a private chain);
+    "none" - needs no calibration inputs at all (round-to-nearest).
+    """
+
+    propagate: str
+    wants_features: bool
+    seconds: float
+
+    def process(self, data: LayerData) -> None: ...
+
+    def keep(self, index: int, layer: nn.Module) -> None: ...
+
+
+def run_shared(
     model: nn.Module,
     arch: Arch,
-    samples: torch.Tensor,
+    samples: torch.Tensor | None,
     device: torch.device,
     compute_dtype: torch.dtype,
     batch_size: int,
-    feature_names: Callable[[nn.Module], list[str]],
-    process: Callable[[LayerData], None],
-    propagate: str = "fp",
+    feature_names: list[str],
+    jobs: Sequence[LayerJob],
 ) -> None:
-    """For each decoder layer: move it to `device`, capture features, call `process`, move it back.
+    """One pass over the decoder layers serving several jobs (recipes) that share a model and calibration.
 
-    propagate="fp": the next layer sees this layer's outputs from before `process` changed it (AutoAWQ);
-    "quantized": it sees the outputs of the layer as `process` left it (GPTQ's sequential convention).
+    Each layer moves to `device` once. The FP forward (layer outputs and linear inputs) is computed once for
+    every job that propagates "fp"; a job with a private chain gets its own inputs. With one job the layer is
+    processed in place; with several, each job works on its own copy, so every job sees the unmodified layer
+    and computes exactly what it would compute alone. `job.keep(i, layer)` receives the layer as the job left it.
     """
-    inputs, kwargs = first_layer_inputs(model, arch, samples, device, compute_dtype, batch_size)
+    needs_inputs = any(j.propagate != "none" for j in jobs)
+    inputs, kwargs = ([], [])
+    if needs_inputs:
+        inputs, kwargs = first_layer_inputs(model, arch, samples, device, compute_dtype, batch_size)
+    chains = {id(j): inputs for j in jobs if j.propagate == "quantized"}
     layers = decoder_layers(model, arch)
     start = time.perf_counter()
-    for i in range(len(layers)):
+    for i, layer in enumerate(layers):
         t0 = time.perf_counter()
-        layer = layers[i]
         storage_dtype = next(layer.parameters()).dtype
         layer.to(device, compute_dtype)
-        names = feature_names(layer)
-        outs, feats = None, {}
-        if names or propagate == "fp":
-            outs, feats = forward_with_features(layer, inputs, kwargs, names)
-        process(LayerData(i, layer, inputs, kwargs, feats))
-        del feats
-        if propagate == "quantized":
-            outs = layer_forward(layer, inputs, kwargs)
+        fp_jobs = [j for j in jobs if j.propagate == "fp"]
+        fp_outs, fp_feats = None, {}
+        if fp_jobs:
+            names = feature_names if any(j.wants_features for j in fp_jobs) else []
+            fp_outs, fp_feats = forward_with_features(layer, inputs, kwargs, names)
+        for n, job in enumerate(jobs):
+            tj = time.perf_counter()
+            own = chains.get(id(job), inputs)
+            feats: dict[str, torch.Tensor] = {}
+            if job.wants_features and job.propagate == "fp":
+                last_user = all(not (j.wants_features and j.propagate == "fp") for j in jobs[n + 1 :])
+                feats = fp_feats if last_user else {k: t.clone() for k, t in fp_feats.items()}
+            elif job.wants_features:
+                _, feats = forward_with_features(layer, own, kwargs, feature_names)
+            work = layer if len(jobs) == 1 else copy.deepcopy(layer)
+            job.process(LayerData(i, work, own, kwargs, feats))
+            del feats
+            if job.propagate == "quantized":
+                chains[id(job)] = layer_forward(work, own, kwargs)
+            job.keep(i, work)
+            del work
+            job.seconds += time.perf_counter() - tj
+        del fp_feats
         layer.to("cpu", storage_dtype)
-        inputs = outs
+        if fp_outs is not None:
+            inputs = fp_outs
         done, total = i + 1, len(layers)
         eta = (time.perf_counter() - start) / done * (total - done)
         log.info("layer %d/%d done in %.1f s (eta %.0f s)", done, total, time.perf_counter() - t0, eta)

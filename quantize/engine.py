@@ -8,14 +8,14 @@ the exported artifact computes. `convert` is the set of full module names the pr
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from . import awq, gptq
-from .arch import Arch, active_scale_groups, decoder_layers, layer_prefix
-from .capture import LayerData, layer_forward, run_layerwise
+from .arch import Arch, active_scale_groups, layer_prefix
+from .capture import LayerData, layer_forward
 from .primitives import dequantize, quantize_for_export
 
 log = logging.getLogger(__name__)
@@ -128,21 +128,6 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
     return stats
 
 
-def quantize_awq(model, arch: Arch, samples: torch.Tensor, recipe, convert: set[str], device: torch.device,
-                 compute_dtype: torch.dtype, scale_dtype: torch.dtype) -> tuple[dict[str, QuantResult], dict]:
-    """AWQ over every decoder layer -> (results per linear, search stats per layer)."""
-    results: dict[str, QuantResult] = {}
-    stats: dict = {}
-    feature_names = sorted(set(_feature_of(arch).values()), key=arch.linears.index)
-
-    def process(data: LayerData) -> None:
-        stats[data.index] = awq_layer(data, arch, recipe, convert, scale_dtype, results)
-
-    run_layerwise(model, arch, samples, device, compute_dtype, recipe.batch_size, lambda _l: feature_names, process,
-                  recipe.awq.propagate)
-    return results, stats
-
-
 def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype: torch.dtype,
                results: dict[str, QuantResult]) -> dict:
     """GPTQ for one decoder layer: per stage, accumulate Hessians (on quantized predecessors), quantize."""
@@ -174,27 +159,50 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
     return stats
 
 
-def quantize_gptq(model, arch: Arch, samples: torch.Tensor, recipe, convert: set[str], device: torch.device,
-                  compute_dtype: torch.dtype, scale_dtype: torch.dtype) -> tuple[dict[str, QuantResult], dict]:
-    """GPTQ over every decoder layer; each layer's calibration inputs come from the quantized layers before it."""
-    results: dict[str, QuantResult] = {}
-    stats: dict = {}
+@dataclass
+class Job:
+    """One recipe in a shared layer-by-layer pass (`capture.run_shared`): its settings and what it produced.
 
-    def process(data: LayerData) -> None:
-        stats[data.index] = gptq_layer(data, arch, recipe, convert, scale_dtype, results)
+    results: converted linear -> codes/scales/zeros; stats: per layer; overrides: every other tensor of each
+    decoder layer as the method left it (AWQ folds its scales into norms and biases), written at export.
+    """
 
-    run_layerwise(model, arch, samples, device, compute_dtype, recipe.batch_size, lambda _l: [], process,
-                  propagate="quantized")
-    return results, stats
+    recipe: object
+    arch: Arch
+    convert: set[str]
+    scale_dtype: torch.dtype
+    results: dict[str, QuantResult] = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    overrides: dict[str, torch.Tensor] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def propagate(self) -> str:
+        method = self.recipe.method
+        return "none" if method == "rtn" else "quantized" if method == "gptq" else self.recipe.awq.propagate
+
+    @property
+    def wants_features(self) -> bool:
+        return self.recipe.method == "awq"
+
+    def process(self, data: LayerData) -> None:
+        r, arch = self.recipe, self.arch
+        if r.method == "awq":
+            self.stats[data.index] = awq_layer(data, arch, r, self.convert, self.scale_dtype, self.results)
+        elif r.method == "gptq":
+            self.stats[data.index] = gptq_layer(data, arch, r, self.convert, self.scale_dtype, self.results)
+        else:
+            _round_to_nearest(data.layer, _local(arch, data.index, self.convert), _spec(r), self.scale_dtype,
+                              layer_prefix(arch, data.index), self.results)
+
+    def keep(self, index: int, layer: nn.Module) -> None:
+        prefix = layer_prefix(self.arch, index)
+        for name, t in layer.state_dict().items():
+            full = f"{prefix}.{name}"
+            if full.removesuffix(".weight") not in self.results:
+                self.overrides[full] = t.detach().to("cpu", copy=True)
 
 
-def quantize_rtn(model, arch: Arch, recipe, convert: set[str], device: torch.device, compute_dtype: torch.dtype,
-                 scale_dtype: torch.dtype) -> dict[str, QuantResult]:
-    """Round-to-nearest baseline: no calibration, each converted linear quantized as it is."""
-    results: dict[str, QuantResult] = {}
-    for i, layer in enumerate(decoder_layers(model, arch)):
-        storage = next(layer.parameters()).dtype
-        layer.to(device, compute_dtype)
-        _round_to_nearest(layer, _local(arch, i, convert), _spec(recipe), scale_dtype, layer_prefix(arch, i), results)
-        layer.to("cpu", storage)
-    return results
+def feature_names(arch: Arch) -> list[str]:
+    """The linears whose inputs AWQ needs (one per group of linears sharing an input), in execution order."""
+    return sorted(set(_feature_of(arch).values()), key=arch.linears.index)

@@ -126,16 +126,19 @@ def atomic_write_dir(out: Path, fill: Callable[[Path], dict], force: bool = Fals
 
 
 def build_state_dict(model, quantized: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype,
-                     drop: set[str]) -> dict[str, torch.Tensor]:
+                     drop: set[str], overrides: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The model's tensors with each quantized linear's `.weight` replaced by its packed tensors.
 
-    quantized: module name -> {tensor suffix: packed tensor}; drop: names not written (tied lm_head).
+    quantized: module name -> {tensor suffix: packed tensor}; drop: names not written (tied lm_head);
+    overrides: tensor name -> value replacing the model's (what a method changed in a copy of a layer).
     Floating tensors are cast to `dtype`; packed integer tensors keep theirs.
     """
+    overrides = overrides or {}
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         if name in drop or (name.endswith(".weight") and name.removesuffix(".weight") in quantized):
             continue
+        t = overrides.get(name, t)
         out[name] = t.detach().to("cpu", dtype) if t.is_floating_point() else t.detach().cpu()
     for module, packed in quantized.items():
         for suffix, t in packed.items():

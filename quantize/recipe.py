@@ -8,6 +8,7 @@ refused with a message that names the key, the value and what is allowed.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any, Literal
 
@@ -280,7 +281,73 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     """Read, inherit and validate a recipe; raise RecipeError with every problem listed."""
     path = recipe_path(name_or_path)
     raw = _read_raw(path, ())
+    if "sweep" in raw:
+        n = len(expand_sweep(raw.get("sweep"), path))
+        raise RecipeError(f"{path.stem} is a sweep of {n} variants; run it with `make compare RECIPES={path.stem}` "
+                          f"(python -m quantize compare {path.stem})")
+    return _validate(raw, path)
+
+
+def _validate(raw: dict, path: Path, label: str = "") -> Recipe:
     try:
         return Recipe(**raw)
     except ValidationError as e:
-        raise RecipeError(_format_error(path, e)) from None
+        msg = _format_error(path, e)
+        raise RecipeError(msg.replace(": recipe is invalid:", f": {label} is invalid:") if label else msg) from None
+
+
+# Short name parts for swept keys: q_group_size 64 -> "g64"; anything else -> "<last key part><value>".
+_SUFFIX = {"q_group_size": "g{}", "w_bit": "w{}", "method": "{}", "format": "{}"}
+
+
+def _suffix(key: str, value: Any) -> str:
+    if key == "zero_point":
+        return "asym" if value else "sym"
+    text = _SUFFIX.get(key, key.rsplit(".", 1)[-1].replace("_", "") + "{}").format(value)
+    return "".join(c if c.isalnum() or c in "-." else "-" for c in str(text).lower())
+
+
+def expand_sweep(sweep: Any, path: Path) -> list[dict[str, Any]]:
+    """`sweep: {key: [v1, v2], awq.n_grid: [..]}` -> one {dotted key: value} per variant (cartesian product)."""
+    if not isinstance(sweep, dict) or not sweep:
+        raise RecipeError(f"{path}: `sweep` must map recipe keys to lists of values, "
+                          f"e.g. sweep: {{q_group_size: [32, 64, 128]}}")
+    for key, values in sweep.items():
+        if key in ("name", "base", "model", "sweep") or not isinstance(values, list) or not values:
+            raise RecipeError(f"{path}: sweep key `{key}` must be a recipe setting (not name/base/model) with a "
+                              f"non-empty list of values, e.g. {key}: [32, 64, 128]")
+        if len({repr(v) for v in values}) != len(values):
+            raise RecipeError(f"{path}: sweep key `{key}` lists a value twice: {values}")
+    return [dict(zip(sweep, combo)) for combo in itertools.product(*sweep.values())]
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> dict:
+    out = dict(raw)
+    head, _, rest = key.partition(".")
+    out[head] = _set_dotted(dict(out.get(head) or {}), rest, value) if rest else value
+    return out
+
+
+def load_variants(name_or_path: str | Path) -> list[Recipe]:
+    """A recipe -> [it]; a sweep recipe -> one validated recipe per combination, named `<name>-<g64>-...`.
+
+    Every variant is validated before any model loads; all problems are listed together.
+    """
+    path = recipe_path(name_or_path)
+    raw = _read_raw(path, ())
+    if "sweep" not in raw:
+        return [_validate(raw, path)]
+    combos = expand_sweep(raw.pop("sweep"), path)
+    variants, errors = [], []
+    for combo in combos:
+        v = dict(raw)
+        for key, value in combo.items():
+            v = _set_dotted(v, key, value)
+        v["name"] = "-".join([raw["name"], *(_suffix(k, x) for k, x in combo.items())])
+        try:
+            variants.append(_validate(v, path, label=f"variant {v['name']} ({combo})"))
+        except RecipeError as e:
+            errors.append(str(e))
+    if errors:
+        raise RecipeError("\n".join(errors))
+    return variants

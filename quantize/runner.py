@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from . import calib, export, source
+from . import calib, export, modelcard, source
 from .arch import arch_for
-from .engine import is_skipped, quantize_awq, quantize_gptq, quantize_rtn
+from .capture import run_shared
+from .engine import Job, feature_names, is_skipped
 from .pack import pack_all
 from .preflight import PreflightError, plan
 from .recipe import Recipe, load_recipe
@@ -89,85 +90,131 @@ def preflight_only(recipe_name: str) -> str:
            f"{the_plan.summary()}\n{the_plan.table()}\n\n{the_plan.to_json()}"
 
 
-def run(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False) -> Path:
+SHARED_KEYS = ("model", "calibration", "device", "dtype", "compute_dtype", "batch_size", "trust_remote_code")
+
+
+def share_key(recipe: Recipe) -> tuple:
+    """Recipes with equal keys can share one model load, one calibration and one layer-by-layer pass."""
+    d = recipe.to_dict()
+    return tuple(repr(d[k]) for k in SHARED_KEYS)
+
+
+def run(recipe_name: str | Path, out_root: str | Path = "artifacts", force: bool = False) -> Path:
     """Quantize per recipe -> the artifact directory."""
+    return run_many([load_recipe(recipe_name)], out_root, force)[0]
+
+
+def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: bool = False) -> list[Path]:
+    """Quantize several recipes of one model in one pass -> their artifact directories (in order).
+
+    One model load, one calibration set, and one trip of each decoder layer to the device serve every recipe;
+    each recipe still computes exactly what it would alone (see `capture.run_shared`).
+    """
+    if len({share_key(r) for r in recipes}) != 1:
+        diff = [k for k in SHARED_KEYS if len({repr(r.to_dict()[k]) for r in recipes}) > 1]
+        raise PreflightError(f"recipes {[r.name for r in recipes]} cannot share a pass: they differ in {diff}")
+    if len({r.name for r in recipes}) != len(recipes):
+        raise PreflightError(f"two recipes have the same name in {[r.name for r in recipes]}")
     timings = Timings()
+    first = recipes[0]
     with timings.stage("preflight"):
-        recipe = load_recipe(recipe_name)
-        out = Path(out_root) / recipe.name
-        if out.exists() and not force:
-            raise export.OutputExistsError(f"output {out} already exists; remove it or pass --force (make ... FORCE=1)")
-        src = source.resolve(recipe.model)
-        config = source.read_config(src, recipe.trust_remote_code)
+        outs = [Path(out_root) / r.name for r in recipes]
+        for out in outs:
+            if out.exists() and not force:
+                raise export.OutputExistsError(f"output {out} already exists; remove it or pass --force "
+                                               f"(make ... FORCE=1)")
+        src = source.resolve(first.model)
+        config = source.read_config(src, first.trust_remote_code)
         arch = arch_for(config)
-        the_plan = plan(config, arch, recipe, is_skipped)
-        convert = set(the_plan.convert)
-        device = pick_device(recipe)
-        compute_dtype = pick_compute_dtype(recipe, device)
-        dtype = DTYPES[recipe.dtype]
-        log.info("recipe %s: %s w%d g%d zero_point=%s format %s on %s (compute %s)", recipe.name, recipe.method,
-                 recipe.w_bit, recipe.q_group_size, recipe.zero_point, recipe.out_format, device,
-                 str(compute_dtype).removeprefix("torch."))
-        log.info("pre-flight: %s\n%s", the_plan.summary(), the_plan.table())
-        for name, why in the_plan.skipped.items():
-            if why != "modules_to_not_convert":
-                log.warning("pre-flight: %s stays 16-bit: %s", name, why)
+        plans = [_plan_and_log(r, config, arch) for r in recipes]
+        device = pick_device(first)
+        compute_dtype = pick_compute_dtype(first, device)
+        dtype = DTYPES[first.dtype]
     with timings.stage("load"):
         storage_dtype = compute_dtype if device.type == "cpu" else dtype
-        model = source.load_model(src, storage_dtype, recipe.trust_remote_code)
+        model = source.load_model(src, storage_dtype, first.trust_remote_code)
         tied = _tied(model)
-    calib_record = None
-    stats: dict = {}
-    if recipe.method in ("awq", "gptq"):
+    jobs = [Job(r, arch, set(p.convert), dtype) for r, p in zip(recipes, plans)]
+    samples, calib_record = None, None
+    if any(j.propagate != "none" for j in jobs):
         with timings.stage("calibrate"):
-            tokenizer = source.load_tokenizer(src, recipe.trust_remote_code)
-            c = recipe.calibration
-            text = calib.load_text(c.dataset, c.split, c.subset, c.text_column)
-            samples = calib.make_samples(text.documents, tokenizer, c.n_samples, c.seq_len, c.seed)
-            calib_record = {"dataset": c.dataset, "source": text.source, "sha256": text.sha256,
-                            "n_samples": c.n_samples, "seq_len": c.seq_len, "seed": c.seed,
-                            "tokens": int(samples.numel()),
-                            "samples_sha256": hashlib.sha256(samples.numpy().tobytes()).hexdigest()}
-            log.info("calibration: %d x %d tokens from %s", c.n_samples, c.seq_len, text.source)
-        quantize_fn = quantize_awq if recipe.method == "awq" else quantize_gptq
-        with timings.stage("quantize"):
-            results, stats = quantize_fn(model, arch, samples, recipe, convert, device, compute_dtype, dtype)
-    else:
-        with timings.stage("quantize"):
-            results = quantize_rtn(model, arch, recipe, convert, device, compute_dtype, dtype)
-    with timings.stage("export"):
-        skipped = [n for n, why in the_plan.skipped.items() if why != "modules_to_not_convert"]
-        packed, qcfg = pack_all(results, recipe, skipped, dtype)
-        drop = {"lm_head.weight"} if tied else set()
-        tensors = export.build_state_dict(model, packed, dtype, drop)
+            samples, calib_record = _calibration(first, src)
+    with timings.stage("quantize"):
+        run_shared(model, arch, samples, device, compute_dtype, first.batch_size, feature_names(arch), jobs)
+    shared = {"variants": [r.name for r in recipes], "pass_s": timings.stages["quantize"],
+              "per_variant_s": {j.recipe.name: round(j.seconds, 3) for j in jobs}} if len(jobs) > 1 else None
+    context = dict(src=src, config=config, tied=tied, device=device, compute_dtype=compute_dtype,
+                   storage_dtype=storage_dtype, dtype=dtype, calib_record=calib_record, shared=shared)
+    for job, the_plan, out in zip(jobs, plans, outs):
+        stages = dict(timings.stages)
+        if shared:
+            stages["quantize"] = round(job.seconds, 3)
+        _export(job, the_plan, out, model, stages, force, **context)
+    return outs
 
-        def fill(tmp: Path) -> dict:
-            copied = export.write_model_dir(tmp, model, tensors, qcfg, dtype, src.path, source.TOKENIZER_FILES,
-                                            recipe.to_dict(), recipe.max_shard_size)
-            (tmp / "preflight.json").write_text(the_plan.to_json() + "\n")
-            return {
-                "artifact": recipe.name,
-                "format": {"name": recipe.out_format, "quant_method": qcfg["quant_method"]},
-                "recipe": recipe.to_dict(),
-                "model": {"spec": src.spec, "resolved": str(src.path), "kind": src.kind,
-                          "gguf_sha256": src.origin_sha256, "architecture": config.architectures,
-                          "tie_word_embeddings": tied},
-                "calibration": calib_record,
-                "quantized_modules": len(results),
-                "unconverted": sorted(n.removesuffix(".weight") for n in tensors if n.endswith(".weight")),
-                "copied_unchanged": copied,
-                "notes": _notes(tied, storage_dtype, dtype),
-                "skipped_linears": the_plan.skipped,
-                "tensor_parallel_sizes": the_plan.tp_sizes,
-                f"{recipe.method}_stats": {str(k): v for k, v in stats.items()},
-                "device": str(device), "compute_dtype": str(compute_dtype).removeprefix("torch."),
-                "versions": _versions(), "git": git_commit(),
-                "timings_s": dict(timings.stages),
-            }
 
-        export.atomic_write_dir(out, fill, force=force)
-    log.info("wrote %s (%s)", out, ", ".join(f"{k} {v:.1f}s" for k, v in timings.stages.items()))
-    return out
+def _plan_and_log(recipe: Recipe, config, arch):
+    the_plan = plan(config, arch, recipe, is_skipped)
+    log.info("recipe %s: %s w%d g%d zero_point=%s format %s", recipe.name, recipe.method, recipe.w_bit,
+             recipe.q_group_size, recipe.zero_point, recipe.out_format)
+    log.info("pre-flight: %s\n%s", the_plan.summary(), the_plan.table())
+    for name, why in the_plan.skipped.items():
+        if why != "modules_to_not_convert":
+            log.warning("pre-flight: %s stays 16-bit: %s", name, why)
+    return the_plan
+
+
+def _calibration(recipe: Recipe, src) -> tuple[torch.Tensor, dict]:
+    """The calibration token blocks [n_samples, seq_len] and what the manifest records about them."""
+    tokenizer = source.load_tokenizer(src, recipe.trust_remote_code)
+    c = recipe.calibration
+    text = calib.load_text(c.dataset, c.split, c.subset, c.text_column)
+    samples = calib.make_samples(text.documents, tokenizer, c.n_samples, c.seq_len, c.seed)
+    log.info("calibration: %d x %d tokens from %s", c.n_samples, c.seq_len, text.source)
+    return samples, {"dataset": c.dataset, "source": text.source, "sha256": text.sha256,
+                     "n_samples": c.n_samples, "seq_len": c.seq_len, "seed": c.seed, "tokens": int(samples.numel()),
+                     "samples_sha256": hashlib.sha256(samples.numpy().tobytes()).hexdigest()}
+
+
+def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, *, src, config, tied, device,
+            compute_dtype, storage_dtype, dtype, calib_record, shared) -> None:
+    """Pack one job's results and write its artifact directory atomically (timed into its manifest)."""
+    recipe = job.recipe
+    t0 = time.perf_counter()
+    skipped = [n for n, why in the_plan.skipped.items() if why != "modules_to_not_convert"]
+    packed, qcfg = pack_all(job.results, recipe, skipped, dtype)
+    drop = {"lm_head.weight"} if tied else set()
+    tensors = export.build_state_dict(model, packed, dtype, drop, job.overrides)
+
+    def fill(tmp: Path) -> dict:
+        copied = export.write_model_dir(tmp, model, tensors, qcfg, dtype, src.path, source.TOKENIZER_FILES,
+                                        recipe.to_dict(), recipe.max_shard_size)
+        (tmp / "preflight.json").write_text(the_plan.to_json() + "\n")
+        extras = {
+            "artifact": recipe.name,
+            "format": {"name": recipe.out_format, "quant_method": qcfg["quant_method"]},
+            "recipe": recipe.to_dict(),
+            "model": {"spec": src.spec, "resolved": str(src.path), "kind": src.kind,
+                      "gguf_sha256": src.origin_sha256, "architecture": config.architectures,
+                      "tie_word_embeddings": tied},
+            "calibration": calib_record,
+            "quantized_modules": len(job.results),
+            "unconverted": sorted(n.removesuffix(".weight") for n in tensors if n.endswith(".weight")),
+            "copied_unchanged": copied,
+            "notes": _notes(tied, storage_dtype, dtype),
+            "skipped_linears": the_plan.skipped,
+            "tensor_parallel_sizes": the_plan.tp_sizes,
+            f"{recipe.method}_stats": {str(k): v for k, v in job.stats.items()},
+            "shared_pass": shared,
+            "device": str(device), "compute_dtype": str(compute_dtype).removeprefix("torch."),
+            "versions": _versions(), "git": git_commit(),
+            "timings_s": {**stages, "export": round(time.perf_counter() - t0, 3)},
+        }
+        (tmp / "README.md").write_text(modelcard.render(extras))
+        return extras
+
+    export.atomic_write_dir(out, fill, force=force)
+    log.info("wrote %s (%s)", out, ", ".join(f"{k} {v:.1f}s" for k, v in stages.items()))
 
 
 def _notes(tied: bool, storage: torch.dtype, dtype: torch.dtype) -> list[str]:

@@ -86,6 +86,19 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_eval_artifact(tiny_llama, tmp_path_factory) -> tuple[Path, Path]:
+    """(artifact, recipe): tiny Llama AWQ g64 whose recipe evaluates 4 windows and smoke-loads in vLLM.
+    Shared by the eval and registry tests (whichever runs first evaluates it)."""
+    from quantize import runner
+
+    tmp = tmp_path_factory.mktemp("eval")
+    recipe = tiny_recipe(tmp, tiny_llama, name="tiny-eval",
+                         eval=dict(perplexity=dict(dataset="wikitext2", seq_len=256, max_windows=4),
+                                   vllm=dict(max_tokens=8, min_token_agreement=0.3)))
+    return runner.run(recipe, out_root=tmp / "a"), recipe
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
 

@@ -9,16 +9,12 @@ from eval.cli import main as eval_main
 from eval.perplexity import Protocol, perplexity, windows
 from eval.report import report_hash_ok
 from quantize import runner
-from tests.conftest import tiny_recipe, write_recipe
+from tests.conftest import write_recipe
 
 
 @pytest.fixture(scope="module")
-def artifact(tiny_llama, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("eval")
-    recipe = tiny_recipe(tmp, tiny_llama, name="tiny-eval",
-                         eval=dict(perplexity=dict(dataset="wikitext2", seq_len=256, max_windows=4),
-                                   vllm=dict(max_tokens=8, min_token_agreement=0.3)))
-    return runner.run(recipe, out_root=tmp / "a"), recipe
+def artifact(tiny_eval_artifact):
+    return tiny_eval_artifact
 
 
 def test_perplexity_same_twice(tiny_llama):

@@ -1,6 +1,6 @@
 import pytest
 
-from quantize.recipe import RecipeError, list_recipes, load_recipe
+from quantize.recipe import RecipeError, list_recipes, load_recipe, load_variants
 from tests.conftest import write_recipe
 
 BASE = dict(model="some/model", method="awq", w_bit=4, q_group_size=128, zero_point=True, version="gemm")
@@ -8,8 +8,33 @@ BASE = dict(model="some/model", method="awq", w_bit=4, q_group_size=128, zero_po
 
 @pytest.mark.parametrize("name", list_recipes())
 def test_every_shipped_recipe_parses(name):
-    r = load_recipe(name)
-    assert r.name == name
+    variants = load_variants(name)
+    assert variants and all(v.name.startswith(name) for v in variants)
+    if len(variants) == 1:
+        assert load_recipe(name).name == name
+
+
+def test_sweep_expands_validates_and_names_variants(tmp_path):
+    write_recipe(tmp_path / "s.yaml", model="m", method="gptq", zero_point=False,
+                 sweep={"q_group_size": [32, 128], "gptq.damp_percent": [0.01, 0.1]})
+    vs = load_variants(tmp_path / "s.yaml")
+    assert [v.name for v in vs] == ["s-g32-damppercent0.01", "s-g32-damppercent0.1", "s-g128-damppercent0.01",
+                                    "s-g128-damppercent0.1"]
+    assert [(v.q_group_size, v.gptq.damp_percent) for v in vs][1] == (32, 0.1)
+    with pytest.raises(RecipeError, match="sweep of 4 variants; run it with `make compare"):
+        load_recipe(tmp_path / "s.yaml")
+
+
+def test_sweep_refuses_bad_variants_before_loading(tmp_path):
+    write_recipe(tmp_path / "b.yaml", model="m", method="awq", sweep={"q_group_size": [64, 96, -1]})
+    with pytest.raises(RecipeError) as e:
+        load_variants(tmp_path / "b.yaml")
+    msg = str(e.value)
+    assert "variant b-g96" in msg and "q_group_size 96 is not allowed" in msg
+    assert "variant b-g-1" in msg and "per channel) is not served in format awq" in msg
+    write_recipe(tmp_path / "c.yaml", model="m", method="awq", sweep={"q_group_size": 64})
+    with pytest.raises(RecipeError, match="non-empty list"):
+        load_variants(tmp_path / "c.yaml")
 
 
 def test_shipped_recipes_include_the_required_ones():

@@ -1,0 +1,226 @@
+"""Side-by-side comparison of artifacts (a group-size sweep, say): one row per variant -> .md, .json and a plot.
+
+Sizes come from the files themselves (safetensors headers), quality from each artifact's report.json, and
+times from each manifest, so the comparison can be rebuilt from the artifact directories alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from datetime import datetime, timezone
+from pathlib import Path
+
+from quantize.export import MANIFEST
+
+log = logging.getLogger(__name__)
+
+PACKED = ("qweight", "weight_packed")  # int32 tensors holding 32 / w_bit codes each (all three formats)
+DTYPE_BYTES = {"F64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2, "I8": 1, "U8": 1,
+               "BOOL": 1, "I64": 8, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _header(path: Path) -> dict:
+    """A safetensors file's header: tensor name -> {dtype, shape, data_offsets}."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def sizes(artifact: Path, w_bit: int) -> dict:
+    """Bytes on disk and effective bits per weight, from the safetensors headers -> dict.
+
+    bits_per_weight: all bytes of the quantized linears (codes, scales, zeros, g_idx) x 8 / their weights;
+    model_bits_per_weight: every weight file's bytes x 8 / every parameter of the model.
+    """
+    artifact = Path(artifact)
+    per_module: dict[str, int] = {}
+    weights = {"quantized": 0, "other": 0}
+    tensor_bytes = 0
+    headers = {}
+    for f in sorted(artifact.glob("*.safetensors")):
+        headers.update(_header(f))
+    modules = {n.rsplit(".", 1)[0] for n in headers if n.rsplit(".", 1)[-1] in PACKED}
+    for name, rec in headers.items():
+        numel = 1
+        for d in rec["shape"]:
+            numel *= d
+        nbytes = rec["data_offsets"][1] - rec["data_offsets"][0]
+        tensor_bytes += nbytes
+        module, suffix = name.rsplit(".", 1) if "." in name else ("", name)
+        if module in modules:
+            per_module[module] = per_module.get(module, 0) + nbytes
+            if suffix in PACKED:
+                weights["quantized"] += numel * 32 // w_bit
+        else:
+            weights["other"] += numel
+    q_bytes = sum(per_module.values())
+    on_disk = sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file())
+    return {"bytes_on_disk": on_disk,
+            "weight_file_bytes": sum(p.stat().st_size for p in artifact.glob("*.safetensors")),
+            "quantized_linears": len(modules), "quantized_weights": weights["quantized"],
+            "bits_per_weight": 8 * q_bytes / weights["quantized"] if weights["quantized"] else None,
+            "model_bits_per_weight": 8 * tensor_bytes / (weights["quantized"] + weights["other"])}
+
+
+def source_bytes(manifest: dict) -> int | None:
+    """Bytes of the FP16 source checkpoint's weight files (the 16-bit reference point), if still on disk."""
+    resolved = Path(manifest.get("model", {}).get("resolved", ""))
+    files = list(resolved.glob("*.safetensors")) if resolved.is_dir() else []
+    return sum(f.stat().st_size for f in files) or None
+
+
+def row(artifact: Path) -> dict:
+    """One comparison row from an artifact directory (its manifest, report and files)."""
+    artifact = Path(artifact)
+    m = json.loads((artifact / MANIFEST).read_text())
+    rec = m["recipe"]
+    report_path = artifact / "report.json"
+    rep = json.loads(report_path.read_text()) if report_path.is_file() else None
+    ppl = (rep or {}).get("perplexity") or {}
+    smoke = (rep or {}).get("vllm_smoke") or {}
+    t = m.get("timings_s", {})
+    return {
+        "variant": m["artifact"], "artifact": str(artifact), "method": rec["method"], "w_bit": rec["w_bit"],
+        "group_size": rec["q_group_size"], "zero_point": rec["zero_point"], "format": m["format"]["name"],
+        **sizes(artifact, rec["w_bit"]),
+        "ppl_fp16": ppl.get("fp16", {}).get("ppl"), "ppl": ppl.get("quantized", {}).get("ppl"),
+        "delta_ppl": ppl.get("delta"), "delta_ppl_pct": ppl.get("delta_pct"),
+        "quantize_s": t.get("quantize"), "pipeline_s": round(sum(t.values()), 3) if t else None,
+        "vllm_smoke": ("not run" if rep is None else "skipped" if "skipped" in smoke
+                       else "passed" if smoke.get("passed") else "FAILED"),
+        "token_agreement": smoke.get("token_agreement"),
+        "eval_passed": None if rep is None else rep.get("passed"),
+        "protocol": ppl.get("protocol"), "base_model": m["model"]["spec"], "source_bytes": source_bytes(m),
+    }
+
+
+def _fmt(v, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def render_markdown(name: str, rows: list[dict], meta: dict) -> str:
+    proto = next((r["protocol"] for r in rows if r["protocol"]), None)
+    fp = next((r["ppl_fp16"] for r in rows if r["ppl_fp16"] is not None), None)
+    lines = [f"# Comparison `{name}`", "", f"Base model `{rows[0]['base_model']}` · {meta['date']} · {meta['machine']}",
+             ""]
+    if proto:
+        lines += [f"Perplexity protocol: {proto['dataset']} (sha256 `{proto['text_sha256'][:12]}…`), "
+                  f"{proto['windows']} windows of {proto['seq_len']} tokens; FP16 perplexity {fp:.4f}.", ""]
+    lines += ["| variant | method | bits | group | format | size on disk (MB) | bits / weight | ppl | Δppl | Δ% "
+              "| quantize (s) | vLLM smoke |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['variant']} | {r['method']} | {r['w_bit']} | {r['group_size']} | {r['format']} | "
+            f"{r['bytes_on_disk'] / 1e6:.2f} | {_fmt(r['bits_per_weight'], '.3f')} | {_fmt(r['ppl'], '.4f')} | "
+            f"{_fmt(r['delta_ppl'], '+.4f')} | {_fmt(r['delta_ppl_pct'], '+.2f')} | {_fmt(r['quantize_s'], '.1f')} | "
+            f"{r['vllm_smoke']} |")
+    lines += ["", "bits / weight: every byte of the quantized linears (codes, scales, zeros) x 8 / their weights. "
+              "quantize (s): this variant's own share of the shared layer-by-layer pass.", ""]
+    if meta.get("timings_s"):
+        lines += [f"Timings of this comparison run (s): {meta['timings_s']}", ""]
+    lines += [f"![Δppl against bits per weight and size]({name}.png)", ""]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Perplexity increase (%) against bits per weight and against size on disk, one labelled point per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [r for r in rows if r["delta_ppl_pct"] is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, label in ((axes[0], "bits_per_weight", "effective bits per weight (quantized linears)"),
+                           (axes[1], "bytes_on_disk", "size on disk (MB)")):
+        for r in pts:
+            x = r[key] / 1e6 if key == "bytes_on_disk" else r[key]
+            ax.scatter(x, r["delta_ppl_pct"], s=40, color="tab:blue" if r["method"] == "awq" else
+                       "tab:orange" if r["method"] == "gptq" else "tab:gray")
+            ax.annotate(f"{r['method']} g{r['group_size']}", (x, r["delta_ppl_pct"]), textcoords="offset points",
+                        xytext=(5, 4), fontsize=8)
+        ax.set_xlabel(label)
+        ax.set_ylabel("perplexity increase vs FP16 (%)")
+        ax.grid(alpha=0.3)
+    if not pts:
+        axes[0].text(0.5, 0.5, "no perplexity measured (eval off)", ha="center", transform=axes[0].transAxes)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_comparison(name: str, artifacts: list[Path], out_root: Path, extra: dict | None = None) -> dict:
+    """compare-<name>.json / .md / .png under out_root -> the JSON document."""
+    from .report import _machine
+
+    rows = [row(a) for a in artifacts]
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": _machine(), **(extra or {})}
+    doc = {"name": name, **meta, "rows": rows}
+    out_root = Path(out_root)
+    out_root.mkdir(parents=True, exist_ok=True)
+    stem = out_root / f"compare-{name}"
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(render_markdown(f"compare-{name}", rows, meta))
+    plot(rows, stem.with_suffix(".png"), f"compare-{name}: {rows[0]['base_model']}")
+    log.info("wrote %s.{json,md,png}", stem)
+    return doc
+
+
+def default_name(names: list[str]) -> str:
+    """The recipes' common dash-separated prefix (qwen7b-awq-g32, qwen7b-awq-g64 -> qwen7b-awq)."""
+    if len(names) == 1:
+        return names[0]
+    parts = [n.split("-") for n in names]
+    common = []
+    for group in zip(*parts):
+        if len(set(group)) > 1:
+            break
+        common.append(group[0])
+    return "-".join(common) or "-".join(names)[:80]
+
+
+def run_comparison(recipe_names: list[str], out_root: Path, force: bool = False, do_eval: bool = True,
+                   name: str | None = None) -> tuple[dict, int]:
+    """Quantize every variant (one shared pass per model/calibration), evaluate each, write the comparison.
+
+    -> (comparison document, exit code: 0, or 3 when any variant's eval gate or vLLM smoke failed).
+    """
+    import time
+
+    from quantize import runner
+    from quantize.recipe import load_variants
+
+    from .report import evaluate
+
+    variants = [v for n in recipe_names for v in load_variants(n)]  # every variant validated before any load
+    name = name or default_name([Path(n).stem for n in recipe_names])
+    groups: dict[tuple, list] = {}
+    for v in variants:
+        groups.setdefault(runner.share_key(v), []).append(v)
+    if len(groups) > 1:
+        log.warning("%d groups of recipes differ in %s and cannot share a pass; each group runs on its own",
+                    len(groups), ", ".join(runner.SHARED_KEYS))
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    artifacts = []
+    for group in groups.values():
+        log.info("shared pass: %s", ", ".join(v.name for v in group))
+        artifacts += runner.run_many(group, out_root, force)
+    timings["quantize_all"] = round(time.perf_counter() - t0, 2)
+    failed = []
+    if do_eval:
+        t0, cache = time.perf_counter(), {}
+        for v, art in zip([v for g in groups.values() for v in g], artifacts):
+            if v.eval.enabled:
+                log.info("eval %s", v.name)
+                if not evaluate(art, None, v.eval, cache=cache)["passed"]:
+                    failed.append(v.name)
+        timings["eval_all"] = round(time.perf_counter() - t0, 2)
+    doc = write_comparison(name, artifacts, Path(out_root), {"recipes": recipe_names, "timings_s": timings,
+                                                             "eval_failed": failed})
+    return doc, 3 if failed else 0

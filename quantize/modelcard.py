@@ -1,0 +1,100 @@
+"""The artifact's model card: README.md with Hugging Face front matter (written at export, completed by eval).
+
+The front matter carries what a registry or the Hub indexes: base model, library, tags, the quantization
+settings and, once evaluated, the measured perplexities as a `model-index` with their protocol. The body says
+how to serve the directory and how it was made. Everything comes from the manifest and the report.
+"""
+
+from __future__ import annotations
+
+import re
+
+import yaml
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+FORMAT_NAMES = {"awq": "AutoAWQ GEMM (quant_method awq)", "gptq": "GPTQ v1 (quant_method gptq)",
+                "compressed-tensors": "compressed-tensors pack-quantized"}
+
+
+def _front_matter(m: dict, report: dict | None) -> dict:
+    r, spec = m["recipe"], m["model"]["spec"]
+    fm: dict = {}
+    if HUB_ID.match(spec):
+        fm["base_model"] = spec
+    fm.update({"library_name": "transformers", "pipeline_tag": "text-generation",
+               "tags": ["quantized", f"{r['w_bit']}-bit", r["method"], f"w{r['w_bit']}a16",
+                        f"group-size-{r['q_group_size']}", m["format"]["name"], "vllm", "quantize"]})
+    fm["quantization"] = {
+        "method": r["method"], "bits": r["w_bit"], "group_size": r["q_group_size"], "zero_point": r["zero_point"],
+        "format": m["format"]["name"], "quant_method": m["format"]["quant_method"], "dtype": r["dtype"],
+        "modules_not_converted": m.get("unconverted", []),
+        "calibration": {k: (m.get("calibration") or {}).get(k) for k in ("dataset", "n_samples", "seq_len", "seed")}
+        if m.get("calibration") else None,
+        "base_model_source": spec, "tool": f"quantize {m.get('versions', {}).get('quantize', '?')}",
+        "git_commit": m.get("git", {}).get("commit")}
+    p = (report or {}).get("perplexity")
+    if p:
+        proto = p["protocol"]
+        fm["model-index"] = [{"name": m["artifact"], "results": [{
+            "task": {"type": "text-generation", "name": "Language modelling"},
+            "dataset": {"name": proto["dataset"], "type": proto["dataset"], "split": "test"},
+            "metrics": [
+                {"type": "perplexity", "name": "perplexity (quantized)", "value": round(p["quantized"]["ppl"], 4)},
+                {"type": "perplexity", "name": "perplexity (FP16 base)", "value": round(p["fp16"]["ppl"], 4)},
+                {"type": "perplexity_delta_pct", "name": "perplexity increase (%)", "value": round(p["delta_pct"], 3)},
+            ]}]}]
+    return fm
+
+
+def _evaluation(report: dict | None) -> list[str]:
+    if report is None:
+        return ["Not evaluated yet: run `make eval RECIPE=<name>` (perplexity against the FP16 base and a vLLM "
+                "smoke-load); this card is then rewritten with the numbers."]
+    p, s = report["perplexity"], report["vllm_smoke"]
+    proto = p["protocol"]
+    lines = [f"Measured {report['date']} on {report['machine']} · eval **{'PASSED' if report['passed'] else 'FAILED'}**",
+             "", f"Protocol: {proto['dataset']} (text sha256 `{proto['text_sha256'][:12]}…`), {proto['windows']} "
+             f"non-overlapping windows of {proto['seq_len']} tokens, token-level exp(mean NLL) over "
+             f"{proto['tokens_scored']} predicted tokens; reference in {report['reference_dtype']}.", "",
+             "| model | perplexity | Δ | Δ % |", "|---|---:|---:|---:|",
+             f"| FP16 base | {p['fp16']['ppl']:.4f} | | |",
+             f"| this artifact | {p['quantized']['ppl']:.4f} | {p['delta']:+.4f} | {p['delta_pct']:+.2f} |", ""]
+    if "skipped" in s:
+        lines.append(f"vLLM smoke-load: skipped ({s['skipped']}).")
+    else:
+        lines.append(f"vLLM smoke-load: **{'passed' if s['passed'] else 'FAILED'}** (vLLM method `{s.get('method')}`, "
+                     f"teacher-forced top-1 agreement with FP16 {s.get('token_agreement')}).")
+    lines += ["", "Full report: `report.md` / `report.json` in this directory."]
+    return lines
+
+
+def render(manifest: dict, report: dict | None = None) -> str:
+    """manifest (+ report once evaluated) -> README.md text."""
+    m, r = manifest, manifest["recipe"]
+    fm = yaml.safe_dump(_front_matter(m, report), sort_keys=False, allow_unicode=True)
+    body = [
+        f"# {m['artifact']}", "",
+        f"`{m['model']['spec']}` quantized to {r['w_bit']}-bit weights ({r['method'].upper()}, group size "
+        f"{r['q_group_size']}, {'asymmetric with zero points' if r['zero_point'] else 'symmetric'}; activations "
+        f"stay 16-bit), stored as {FORMAT_NAMES.get(m['format']['name'], m['format']['name'])}.", "",
+        "## Serve", "", "```bash", "vllm serve /path/to/this/directory", "```", "",
+        "## Quantization", "",
+        "| setting | value |", "|---|---|",
+        *[f"| {k} | {v} |" for k, v in (("method", r["method"]), ("bits", r["w_bit"]), ("group size", r["q_group_size"]),
+                                         ("zero point", r["zero_point"]), ("format", m["format"]["name"]),
+                                         ("stored dtype", r["dtype"]),
+                                         ("calibration", _calibration_text(m.get("calibration"))),
+                                         ("layers left 16-bit", ", ".join(m.get("unconverted", [])) or "none"),
+                                         ("tensor-parallel sizes", m.get("tensor_parallel_sizes")))],
+        "", "## Evaluation", "", *_evaluation(report), "",
+        "## Integrity and reproduction", "",
+        "`manifest.json` lists the sha256 of every file; `python -m eval --artifact <dir>` and the registry refuse "
+        "the directory if any file differs. `recipe.yaml` is the resolved recipe; re-run it with "
+        f"`make quantize RECIPE={m['artifact']}` (quantize git commit `{(m.get('git') or {}).get('commit')}`).", ""]
+    return f"---\n{fm}---\n\n" + "\n".join(body)
+
+
+def _calibration_text(c: dict | None) -> str:
+    if not c:
+        return "none (round-to-nearest)"
+    return f"{c['n_samples']} x {c['seq_len']} tokens of {c['dataset']} (seed {c['seed']})"

@@ -1,0 +1,76 @@
+"""One shared pass for several recipes: same bytes as separate runs; comparison files, plot and model cards."""
+
+import json
+
+import pytest
+import yaml
+
+from eval.artifact import verify_manifest
+from eval.compare import default_name, run_comparison, sizes
+from quantize import runner
+from quantize.recipe import load_recipe
+from tests.conftest import tiny_recipe, write_recipe
+
+
+def test_shared_pass_writes_the_same_bytes_as_separate_runs(tiny_qwen2, tmp_path):
+    """AWQ g32/g64 (FP-propagated), GPTQ (private quantized chain) and RTN in one pass == four runs alone.
+    Qwen2 has q/k/v biases, which AWQ rescales: the per-variant layer copies must carry them to the export."""
+    recipes = [tiny_recipe(tmp_path, tiny_qwen2, name="v-awq-g32", q_group_size=32),
+               tiny_recipe(tmp_path, tiny_qwen2, name="v-awq-g64"),
+               tiny_recipe(tmp_path, tiny_qwen2, name="v-gptq-g64", method="gptq", zero_point=False),
+               tiny_recipe(tmp_path, tiny_qwen2, name="v-rtn-g64", method="rtn")]
+    shared = runner.run_many([load_recipe(r) for r in recipes], tmp_path / "shared")
+    alone = [runner.run(r, out_root=tmp_path / "alone") for r in recipes]
+    for a, b in zip(shared, alone):
+        ma, mb = (json.loads((d / "manifest.json").read_text()) for d in (a, b))
+        for f in ("model.safetensors", "config.json"):
+            assert ma["files"][f]["sha256"] == mb["files"][f]["sha256"], (a.name, f)
+        assert ma["shared_pass"]["variants"] == [r.stem for r in recipes] and mb["shared_pass"] is None
+    g32, g64 = (sizes(d, 4) for d in shared[:2])
+    assert g32["bits_per_weight"] > g64["bits_per_weight"] > 4  # scales + zeros cost more at smaller groups
+
+
+def test_recipes_that_cannot_share_are_refused_together(tiny_qwen2, tiny_llama, tmp_path):
+    a = load_recipe(tiny_recipe(tmp_path, tiny_qwen2, name="a"))
+    b = load_recipe(tiny_recipe(tmp_path, tiny_llama, name="b"))
+    with pytest.raises(runner.PreflightError, match=r"cannot share a pass: they differ in \['model'\]"):
+        runner.run_many([a, b], tmp_path / "out")
+
+
+def test_sweep_comparison_files_plot_and_model_cards(tiny_llama, tmp_path):
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="sw", sweep={"q_group_size": [32, 64]},
+                         eval=dict(perplexity=dict(seq_len=128, max_windows=3), vllm=dict(enabled=False)))
+    doc, code = run_comparison([str(recipe)], tmp_path / "art")
+    assert code == 0 and doc["name"] == "sw"
+    rows = doc["rows"]
+    assert [r["variant"] for r in rows] == ["sw-g32", "sw-g64"] and [r["group_size"] for r in rows] == [32, 64]
+    assert rows[0]["ppl_fp16"] == rows[1]["ppl_fp16"]  # one reference, measured once
+    for r in rows:
+        assert r["ppl"] > 1 and r["bytes_on_disk"] > 0 and r["vllm_smoke"] == "skipped" and r["quantize_s"] > 0
+    on_disk = json.loads((tmp_path / "art" / "compare-sw.json").read_text())
+    assert on_disk["rows"] == json.loads(json.dumps(rows))
+    md = (tmp_path / "art" / "compare-sw.md").read_text()
+    assert "| sw-g32 | awq | 4 | 32 |" in md and "compare-sw.png" in md
+    png = (tmp_path / "art" / "compare-sw.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # model card: front matter with settings and, after eval, the measured perplexities; manifest verifies
+    art = tmp_path / "art" / "sw-g64"
+    card = (art / "README.md").read_text()
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert front["quantization"]["group_size"] == 64 and "awq" in front["tags"]
+    metrics = front["model-index"][0]["results"][0]["metrics"]
+    assert metrics[0]["value"] == round(rows[1]["ppl"], 4)
+    assert verify_manifest(art)
+
+
+def test_default_comparison_name():
+    assert default_name(["qwen7b-awq-g32", "qwen7b-awq-g64", "qwen7b-awq-g128"]) == "qwen7b-awq"
+    assert default_name(["smollm2-awq-sweep"]) == "smollm2-awq-sweep"
+    assert default_name(["a-x", "b-y"]) == "a-x-b-y"
+
+
+def test_model_card_before_eval(tiny_llama, tmp_path):
+    out = runner.run(tiny_recipe(tmp_path, tiny_llama, name="card", method="rtn"), out_root=tmp_path / "a")
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\n") and "Not evaluated yet" in card and "vllm serve" in card
+    assert json.loads((out / "manifest.json").read_text())["files"]["README.md"]["bytes"] == len(card.encode())
