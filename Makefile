@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 RECIPE ?= smollm2-awq-g64
 PYTEST_ARGS ?=
 
-.PHONY: venv quantize eval test test-all recipes clean-artifacts
+.PHONY: venv quantize eval compare register registry test test-all recipes clean-artifacts
 
 venv: $(STAMP)
 
@@ -31,6 +31,23 @@ quantize: $(STAMP)
 # (make quantize already runs it unless the recipe sets eval.enabled: false). Exit 3 when a gate fails.
 eval: $(STAMP)
 	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m eval $(RECIPE)
+
+# make compare RECIPES="smollm2-awq-g32 smollm2-awq-g64" (or a sweep recipe: RECIPES=smollm2-awq-sweep) [NAME=x]
+# [FORCE=1] [EVAL=0]: one model load, one calibration and one layer-by-layer pass for all variants; each is
+# evaluated; artifacts/compare-<name>.{md,json,png}. Exit 3 when any variant's eval fails.
+RECIPES ?= smollm2-awq-sweep
+compare: $(STAMP)
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m quantize compare $(RECIPES) $(if $(NAME),--name $(NAME)) \
+		$(if $(FORCE),--force) $(if $(filter 0,$(EVAL)),--no-eval)
+
+# make register RECIPE=name: artifacts/<name>/ into the MLflow model registry (registry/mlflow.db unless
+# MLFLOW_TRACKING_URI is set). Refused unless the manifest verifies and the eval passed with vLLM loading it.
+register: $(STAMP)
+	$(PY) -m quantize register $(RECIPE)
+
+# make registry: every registered version with its metrics.
+registry: $(STAMP)
+	$(PY) -m quantize registry
 
 recipes: $(STAMP)
 	$(PY) -m quantize list

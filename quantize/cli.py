@@ -1,22 +1,25 @@
-"""Command line: `python -m quantize run <recipe>`, `validate`, `list`."""
+"""Command line: `python -m quantize run <recipe>`, `compare`, `register`, `registry`, `validate`, `list`, `preflight`."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from .arch import UnsupportedArchitecture
 from .calib import CalibrationError
 from .export import OutputExistsError
 from .preflight import PreflightError
-from .recipe import RecipeError, list_recipes, load_recipe
+from .recipe import RecipeError, list_recipes, load_recipe, load_variants
+from .registry import RegistryError
 from .source import ModelSourceError
 
 # Errors a user can cause: printed as one clear message, exit code 2, no traceback. Anything else is a bug
 # and keeps its traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (RecipeError, PreflightError, ModelSourceError, CalibrationError,
-                                                UnsupportedArchitecture, OutputExistsError, FileNotFoundError)
+                                                UnsupportedArchitecture, OutputExistsError, FileNotFoundError,
+                                                RegistryError)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,6 +30,23 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="artifacts", help="parent directory of the artifact (default: artifacts)")
     r.add_argument("--force", action="store_true", help="replace an existing artifact directory")
     r.add_argument("--no-eval", action="store_true", help="skip the eval stage even if the recipe enables it")
+    c = sub.add_parser("compare", help="quantize several recipes (or a sweep recipe) in one shared pass, evaluate "
+                                       "each, write artifacts/compare-<name>.{md,json,png}")
+    c.add_argument("recipes", nargs="+", help="recipe names or YAML paths; a recipe with `sweep:` expands to variants")
+    c.add_argument("--name", help="comparison name (default: the recipes' common prefix)")
+    c.add_argument("--out", default="artifacts", help="parent directory of the artifacts and comparison files")
+    c.add_argument("--force", action="store_true", help="replace existing artifact directories")
+    c.add_argument("--no-eval", action="store_true", help="compare sizes and times only (no perplexity, no vLLM)")
+    rg = sub.add_parser("register", help="register an evaluated artifact in the MLflow model registry "
+                                         "(default: SQLite file registry/mlflow.db; MLFLOW_TRACKING_URI for a server)")
+    rg.add_argument("recipe", nargs="?", help="recipe name: registers artifacts/<name>/")
+    rg.add_argument("--artifact", help="artifact directory (instead of a recipe name)")
+    rg.add_argument("--out", default="artifacts")
+    rg.add_argument("--by-reference", action="store_true", help="record the artifact's location, do not copy it")
+    rg.add_argument("--storage-uri", help="where the artifact lives for consumers (s3://..., implies --by-reference)")
+    ls = sub.add_parser("registry", help="list registered versions with their metrics")
+    ls.add_argument("--name", help="one registered model only")
+    ls.add_argument("--json", action="store_true")
     v = sub.add_parser("validate", help="check recipes without loading any model")
     v.add_argument("recipes", nargs="*", help="names or paths (default: every recipe in recipes/)")
     sub.add_parser("list", help="list the shipped recipes")
@@ -43,19 +63,47 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "list":
             for name in list_recipes():
-                r = load_recipe(name)
-                print(f"{name:28s} {r.method} w{r.w_bit} g{r.q_group_size} {r.model}")
+                vs = load_variants(name)
+                r = vs[0]
+                sweep = f"  (sweep: {', '.join(v.name for v in vs)})" if len(vs) > 1 else ""
+                print(f"{name:28s} {r.method} w{r.w_bit} g{r.q_group_size} {r.model}{sweep}")
             return 0
         if args.cmd == "validate":
             failed = 0
             for name in args.recipes or list_recipes():
                 try:
-                    load_recipe(name)
-                    print(f"ok      {name}")
+                    n = len(load_variants(name))
+                    print(f"ok      {name}" + (f" (sweep of {n} variants)" if n > 1 else ""))
                 except RecipeError as e:
                     failed += 1
                     print(f"INVALID {e}")
             return 1 if failed else 0
+        if args.cmd == "compare":
+            from eval.compare import run_comparison
+
+            doc, code = run_comparison(args.recipes, Path(args.out), args.force, not args.no_eval, args.name)
+            print(Path(args.out) / f"compare-{doc['name']}.md")
+            return code
+        if args.cmd == "register":
+            from . import registry
+
+            if not (args.recipe or args.artifact):
+                raise RecipeError("give a recipe name or --artifact DIR")
+            artifact = Path(args.artifact) if args.artifact else Path(args.out) / args.recipe
+            if not artifact.is_dir():
+                raise FileNotFoundError(f"{artifact} does not exist; run make quantize RECIPE=... first")
+            res = registry.register(artifact, True if args.by_reference else None, args.storage_uri)
+            print(f"registered {res['name']} version {res['version']} in {res['tracking_uri']} "
+                  f"(source {res['source']})")
+            return 0
+        if args.cmd == "registry":
+            import json
+
+            from . import registry
+
+            rows = registry.versions(args.name)
+            print(json.dumps(rows, indent=2) if args.json else registry.table(rows))
+            return 0
         if args.cmd == "preflight":
             from .runner import preflight_only
 

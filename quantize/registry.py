@@ -1,0 +1,166 @@
+"""Hand artifacts to an MLflow model registry: only verified, evaluated, passing ones.
+
+Default: an embedded registry, a SQLite file in the project (`registry/mlflow.db`, artifacts under
+`registry/artifacts/`), nothing to start. Any tracking server: set MLFLOW_TRACKING_URI (and, if the model
+registry lives elsewhere, MLFLOW_REGISTRY_URI). One registered model per artifact name; each registration is a
+new version whose run holds params = the resolved recipe, metrics = the report, tags = base model, method,
+group size, and the artifact directory itself - or, above a size limit or with `by_reference`, only its URI.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from .export import MANIFEST, sha256_file
+
+log = logging.getLogger(__name__)
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+DEFAULT_DIR = PROJECT_DIR / "registry"
+EXPERIMENT = "quantize"
+COPY_LIMIT_BYTES = 2 * 2**30  # larger artifacts are registered by reference (their URI), not copied
+
+
+class RegistryError(ValueError):
+    """An artifact the registry must refuse, or a registry that cannot be used; the message says why."""
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{DEFAULT_DIR / 'mlflow.db'}"
+
+
+def _client():
+    import mlflow
+    from mlflow import MlflowClient
+
+    uri = tracking_uri()
+    if uri.startswith("sqlite:///"):
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+    registry = os.environ.get("MLFLOW_REGISTRY_URI") or uri
+    mlflow.set_registry_uri(registry)
+    return mlflow, MlflowClient(tracking_uri=uri, registry_uri=registry)
+
+
+def _experiment_id(client) -> str:
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    if exp is not None:
+        return exp.experiment_id
+    location = None
+    if not os.environ.get("MLFLOW_TRACKING_URI"):  # embedded default: artifacts next to the database
+        location = (DEFAULT_DIR / "artifacts").as_uri()
+    return client.create_experiment(EXPERIMENT, artifact_location=location)
+
+
+def check_artifact(artifact: Path) -> tuple[dict, dict]:
+    """Refuse anything not fit for a registry -> (manifest, report). Raises RegistryError naming the cause."""
+    from eval.artifact import ArtifactError, verify_manifest
+
+    artifact = Path(artifact)
+    if not (artifact / MANIFEST).is_file():
+        raise RegistryError(f"{artifact}: no {MANIFEST}; only artifacts written by `make quantize` can be registered")
+    try:
+        verify_manifest(artifact)
+    except ArtifactError as e:
+        raise RegistryError(str(e)) from None
+    m = json.loads((artifact / MANIFEST).read_text())
+    if not (artifact / "report.json").is_file() or "report" not in m:
+        raise RegistryError(f"{artifact}: not evaluated; run `make eval RECIPE={m.get('artifact')}` first")
+    report = json.loads((artifact / "report.json").read_text())
+    if not report.get("passed") or not m["report"].get("passed"):
+        why = report.get("gates", {}).get("failures", []) + report.get("vllm_smoke", {}).get("errors", [])
+        raise RegistryError(f"{artifact}: refused, its eval failed: {'; '.join(why) or 'see report.md'}")
+    if "skipped" in report.get("vllm_smoke", {}):
+        raise RegistryError(f"{artifact}: refused, vLLM never loaded it ({report['vllm_smoke']['skipped']}); "
+                            f"re-run the eval with the vLLM smoke-load enabled")
+    return m, report
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{key}."))
+        else:
+            out[key] = json.dumps(v) if isinstance(v, (list, tuple)) else str(v)
+    return out
+
+
+def _metrics(m: dict, report: dict) -> dict[str, float]:
+    p, s = report["perplexity"], report["vllm_smoke"]
+    out = {"ppl_fp16": p["fp16"]["ppl"], "ppl": p["quantized"]["ppl"], "ppl_delta": p["delta"],
+           "ppl_delta_pct": p["delta_pct"], "ppl_windows": p["protocol"]["windows"],
+           "vllm_smoke_passed": float(bool(s.get("passed"))),
+           "artifact_bytes": sum(f["bytes"] for f in m["files"].values())}
+    for key in ("token_agreement", "load_s", "tokens_per_s"):
+        if isinstance(s.get(key), (int, float)):
+            out[f"vllm_{key}"] = s[key]
+    out.update({f"quantize_{k}_s": v for k, v in (m.get("timings_s") or {}).items()})
+    return out
+
+
+def register(artifact: Path, by_reference: bool | None = None, storage_uri: str | None = None) -> dict:
+    """Register a verified, passing artifact as a new model version -> {name, version, run_id, source}.
+
+    by_reference: None = copy when the artifact is under COPY_LIMIT_BYTES (env QUANTIZE_REGISTRY_COPY_LIMIT),
+    else record only its location (`storage_uri`, default the directory's file:// URI).
+    """
+    artifact = Path(artifact).resolve()
+    m, report = check_artifact(artifact)
+    r = m["recipe"]
+    size = sum(f["bytes"] for f in m["files"].values())
+    limit = int(os.environ.get("QUANTIZE_REGISTRY_COPY_LIMIT", COPY_LIMIT_BYTES))
+    if by_reference is None:
+        by_reference = size > limit or storage_uri is not None
+    mlflow, client = _client()
+    tags = {"base_model": m["model"]["spec"], "method": r["method"], "w_bit": str(r["w_bit"]),
+            "group_size": str(r["q_group_size"]), "format": m["format"]["name"],
+            "manifest_sha256": sha256_file(artifact / MANIFEST), "git_commit": str(m.get("git", {}).get("commit")),
+            "artifact_path": str(artifact), "by_reference": str(by_reference).lower()}
+    with mlflow.start_run(experiment_id=_experiment_id(client), run_name=m["artifact"]) as run:
+        params = _flat(r)
+        items = list(params.items())
+        for i in range(0, len(items), 90):  # MLflow caps a batch at 100 params
+            mlflow.log_params(dict(items[i : i + 90]))
+        mlflow.log_metrics(_metrics(m, report))
+        mlflow.set_tags(tags)
+        mlflow.log_dict(report, "report.json")
+        if by_reference:
+            source = storage_uri or artifact.as_uri()
+        else:
+            mlflow.log_artifacts(str(artifact), "model")
+            source = f"{run.info.artifact_uri}/model"
+    name = m["artifact"]
+    if not client.search_registered_models(filter_string=f"name = '{name}'"):
+        client.create_registered_model(name, description=f"{r['method']} w{r['w_bit']} g{r['q_group_size']} of "
+                                                         f"{m['model']['spec']}, made by quantize")
+    mv = client.create_model_version(name, source=source, run_id=run.info.run_id, tags=tags)
+    log.info("registered %s version %s (%s) in %s", name, mv.version, source, tracking_uri())
+    return {"name": name, "version": int(mv.version), "run_id": run.info.run_id, "source": source,
+            "tracking_uri": tracking_uri()}
+
+
+def versions(name: str | None = None) -> list[dict]:
+    """Every registered version (of `name`, or all) with its tags and metrics, newest first."""
+    _, client = _client()
+    rows = []
+    for mv in client.search_model_versions(f"name = '{name}'" if name else ""):
+        run = client.get_run(mv.run_id)
+        rows.append({"name": mv.name, "version": int(mv.version), "created": mv.creation_timestamp,
+                     "source": mv.source, "tags": dict(mv.tags), "metrics": dict(run.data.metrics)})
+    return sorted(rows, key=lambda x: (x["name"], -x["version"]))
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'model':32s} {'ver':>3s} {'method':6s} {'g':>4s} {'ppl':>9s} {'Δ%':>7s} {'smoke':6s} source"
+    lines = [head, "-" * len(head)]
+    for x in rows:
+        mt, tg = x["metrics"], x["tags"]
+        lines.append(f"{x['name']:32s} {x['version']:>3d} {tg.get('method', '?'):6s} {tg.get('group_size', '?'):>4s} "
+                     f"{mt.get('ppl', float('nan')):9.4f} {mt.get('ppl_delta_pct', float('nan')):+7.2f} "
+                     f"{'ok' if mt.get('vllm_smoke_passed') else 'FAIL':6s} {x['source']}")
+    return "\n".join(lines) if rows else f"no registered versions in {tracking_uri()}"
