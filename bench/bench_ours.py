@@ -77,20 +77,24 @@ def per_layer(layers: list[dict]) -> dict:
             "mean_after_first_s": round(sum(rest) / len(rest), 3) if rest else None}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("recipe", help="recipe YAML path or name")
     ap.add_argument("--out-root", required=True, help="parent directory of the artifact")
     ap.add_argument("--json", type=Path, required=True, help="where the record is written")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    log_times = LogTimes()
-    logging.getLogger("quantize").addHandler(log_times)
+    log_times, qlog = LogTimes(), logging.getLogger("quantize")
+    qlog.addHandler(log_times)
+    qlog.setLevel(logging.INFO)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t1 = time.perf_counter()
-    art = runner.run(args.recipe, out_root=args.out_root, force=True)
+    try:
+        art = runner.run(args.recipe, out_root=args.out_root, force=True)
+    finally:
+        qlog.removeHandler(log_times)
     run_s = time.perf_counter() - t1
     man = json.loads((art / "manifest.json").read_text())
     gib = 2**30
@@ -108,6 +112,7 @@ def main() -> None:
     }
     args.json.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record), flush=True)
+    return record
 
 
 if __name__ == "__main__":
