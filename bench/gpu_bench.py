@@ -170,8 +170,9 @@ def extrapolate(record: dict, total_layers: int) -> dict:
     per = record["per_layer"]["mean_after_first_s"]
     return {"total_layers": total_layers, "measured_layers": record["per_layer"]["n"], "per_layer_s": per,
             "quantize_s": round(per * total_layers, 1),
-            "note": "per-layer mean (after the first layer when more than one ran) x layers; peak GPU memory "
-                    "does not grow with the layer count (one layer on the GPU at a time)"}
+            "note": "quantize stage only: per-layer mean (after the first layer when more than one ran) x "
+                    "layers; load and export grow with the checkpoint and are not extrapolated; peak GPU "
+                    "memory does not grow with the layer count (one layer on the GPU at a time)"}
 
 
 def main(argv: list[str] | None = None) -> int:
