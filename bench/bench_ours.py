@@ -1,0 +1,119 @@
+"""One timed run of our pipeline (quantize.runner.run, eval off) for bench/gpu_bench.py, in its own process.
+
+    python bench/bench_ours.py RECIPE.yaml --out-root DIR --json RESULT.json
+
+Records the process's wall time (imports included), the manifest's stage timings
+(preflight/load/calibrate/quantize/export), each decoder layer's time (from the "layer i/N done in X s"
+log records of quantize.capture), the peak GPU memory of this process (torch.cuda.max_memory_allocated and
+max_memory_reserved) and its peak RSS. Writes the record to --json and prints it as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import resource
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+T0 = time.perf_counter()
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from quantize import runner  # noqa: E402
+
+LAYER_DONE = re.compile(r"layer (\d+)/(\d+) done in ([0-9.]+) s")
+STAGE = re.compile(r"stage (\w+): (start|done)")
+PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "pydantic", "compressed-tensors")
+
+
+class LogTimes(logging.Handler):
+    """Collects the per-layer records of the calibration loop (layer, seconds, wall-clock stamp) and the
+    start/done stamps of the runner's stages (the manifest is written inside the export stage, so its
+    timings_s cannot hold export's time)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.layers: list[dict] = []
+        self.stage_start: dict[str, float] = {}
+        self.stages: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if m := LAYER_DONE.search(msg):
+            self.layers.append({"layer": int(m[1]), "of": int(m[2]), "s": float(m[3]), "at": record.created})
+        elif m := STAGE.match(msg):
+            if m[2] == "start":
+                self.stage_start[m[1]] = record.created
+            elif m[1] in self.stage_start:
+                self.stages[m[1]] = round(record.created - self.stage_start[m[1]], 3)
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for p in PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            out[p] = "absent"
+    return out
+
+
+def per_layer(layers: list[dict]) -> dict:
+    """Logged seconds per layer (0.1 s resolution) and the finer gaps between successive log stamps."""
+    logged = [r["s"] for r in layers]
+    gaps = [round(b["at"] - a["at"], 3) for a, b in zip(layers, layers[1:])]
+    rest = gaps if gaps else logged
+    return {"logged_s": logged, "stamp_gaps_s": gaps, "n": len(logged),
+            "mean_s": round(sum(logged) / len(logged), 3) if logged else None,
+            "mean_after_first_s": round(sum(rest) / len(rest), 3) if rest else None}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("recipe", help="recipe YAML path or name")
+    ap.add_argument("--out-root", required=True, help="parent directory of the artifact")
+    ap.add_argument("--json", type=Path, required=True, help="where the record is written")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    log_times, qlog = LogTimes(), logging.getLogger("quantize")
+    qlog.addHandler(log_times)
+    qlog.setLevel(logging.INFO)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t1 = time.perf_counter()
+    try:
+        art = runner.run(args.recipe, out_root=args.out_root, force=True)
+    finally:
+        qlog.removeHandler(log_times)
+    run_s = time.perf_counter() - t1
+    man = json.loads((art / "manifest.json").read_text())
+    gib = 2**30
+    record = {
+        "runner": "ours", "recipe": man["recipe"]["name"], "method": man["recipe"]["method"],
+        "artifact": str(art), "device": man["device"], "compute_dtype": man["compute_dtype"],
+        "gpu": torch.cuda.get_device_name(0) if cuda else None, "versions": versions(),
+        "calibration": man["calibration"], "stages_s": {**log_times.stages, **man["timings_s"]},
+        "run_s": round(run_s, 2),
+        "process_s": round(time.perf_counter() - T0, 2), "per_layer": per_layer(log_times.layers),
+        "peak_gpu_alloc_gib": round(torch.cuda.max_memory_allocated() / gib, 2) if cuda else None,
+        "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / gib, 2) if cuda else None,
+        "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "artifact_bytes": sum(f.stat().st_size for f in art.iterdir() if f.is_file()),
+    }
+    args.json.write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record), flush=True)
+    return record
+
+
+if __name__ == "__main__":
+    main()

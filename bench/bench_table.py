@@ -1,0 +1,87 @@
+"""The text table of bench/gpu_bench.py's report: ours vs llm-compressor per stage, per layer, peak memory.
+
+    python bench/bench_table.py gpu_bench.json     # re-print the table of a saved report
+
+Stage mapping: ours "load" = preflight + load, "calibrate+quantize" = our calibrate + quantize stages
+against llm-compressor's whole `oneshot` call, "save" = our export against save_pretrained. The ratio is
+peer / ours: above 1 means ours takes less time or memory.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _ours_rows(r: dict) -> dict[str, float | None]:
+    s = r["stages_s"]
+    return {"load (s)": s.get("preflight", 0) + s.get("load", 0),
+            "calibrate+quantize (s)": s.get("calibrate", 0) + s.get("quantize", 0),
+            "save (s)": s.get("export"), "process total (s)": r["process_s"],
+            "per layer (s)": r["per_layer"]["mean_s"], "peak GPU alloc (GiB)": r["peak_gpu_alloc_gib"],
+            "peak GPU reserved (GiB)": r["peak_gpu_reserved_gib"], "peak RSS (GiB)": r["peak_rss_gib"]}
+
+
+def _peer_rows(r: dict) -> dict[str, float | None]:
+    s = r["stages_s"]
+    return {"load (s)": s["load"], "calibrate+quantize (s)": s["oneshot"], "save (s)": s["save"],
+            "process total (s)": r["process_s"], "per layer (s)": r["oneshot_per_layer_s"],
+            "peak GPU alloc (GiB)": r["peak_gpu_alloc_gib"], "peak GPU reserved (GiB)": r["peak_gpu_reserved_gib"],
+            "peak RSS (GiB)": r["peak_rss_gib"]}
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def _pair(method: str, ours: dict | None, peer: dict | None) -> list[str]:
+    head = f"{method.upper():28s} {'ours':>10s} {'llm-compr.':>10s} {'peer/ours':>10s}"
+    lines = [head, "-" * len(head)]
+    a = _ours_rows(ours) if ours and ours["ok"] else {}
+    b = _peer_rows(peer) if peer and peer["ok"] else {}
+    for key in (a or b):
+        x, y = a.get(key), b.get(key)
+        ratio = f"{y / x:.2f}" if x and y is not None else "-"
+        lines.append(f"{key:28s} {_fmt(x):>10s} {_fmt(y):>10s} {ratio:>10s}")
+    for label, r in (("ours", ours), ("llm-compressor", peer)):
+        if r is not None and not r["ok"]:
+            lines.append(f"{label}: FAILED (rc {r.get('rc')}); see log_tail in the JSON")
+    if a and b:
+        same = ours["calibration"]["samples_sha256"] == peer["calibration"]["samples_sha256"]
+        lines.append(f"same calibration token blocks: {'yes' if same else 'NO'}")
+    return lines
+
+
+def _big(job: str, r: dict) -> list[str]:
+    if not r["ok"]:
+        return [f"{job}: FAILED (rc {r.get('rc')}); see log_tail in the JSON"]
+    e = r.get("extrapolated") or {}
+    return [f"{job}: {e.get('measured_layers')} layers measured, {_fmt(e.get('per_layer_s'))} s/layer -> "
+            f"quantize ~{_fmt(e.get('quantize_s'))} s for {e.get('total_layers')} layers; peak GPU alloc "
+            f"{_fmt(r['peak_gpu_alloc_gib'])} GiB (reserved {_fmt(r['peak_gpu_reserved_gib'])}), "
+            f"peak RSS {_fmt(r['peak_rss_gib'])} GiB"]
+
+
+def table(report: dict) -> str:
+    runs = report["runs"]
+    gpu = next((r.get("gpu") for r in runs.values() if r.get("ok")), None)
+    lines = [f"gpu_bench {report['date']}  device {report['device']} ({gpu or 'no GPU'})  calibration "
+             f"{report['calibration']['n_samples']} x {report['calibration']['seq_len']} tokens"]
+    for name, b in report["builds"].items():
+        built = f"{b['params'] / 1e9:.2f} B params, build {b['build_s']} s{' (reused)' if b['reused'] else ''}"
+        lines.append(f"checkpoint {name}: {built if b['ok'] else 'BUILD FAILED'}")
+    for method in ("awq", "gptq"):
+        ours, peer = runs.get(f"ours-{method}"), runs.get(f"llmc-{method}")
+        if ours or peer:
+            lines += [""] + _pair(method, ours, peer)
+    big = [(j, r) for j, r in runs.items() if "72b" in j]
+    if big:
+        lines.append("")
+        for j, r in big:
+            lines += _big(j, r)
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table(json.loads(Path(sys.argv[1]).read_text())))

@@ -1,0 +1,220 @@
+"""Side-by-side GPU benchmark for issue 6: our AWQ/GPTQ against llm-compressor 0.14 on one random-init model.
+
+On the GPU host (offline; wheels collected by bench/peers/collect_wheels.sh into .whl/):
+
+    python3 bench/gpu_bench.py --wheels .whl                           # all four 7B runs
+    python3 bench/gpu_bench.py --wheels .whl --only ours-awq,llmc-awq  # a subset (fit 10-minute commands)
+    python3 bench/gpu_bench.py --wheels .whl --only ours-72b --layers-72b 2   # 72B shape, extrapolated
+    python3 bench/gpu_bench.py --tiny --device cpu --peer-python .cache/venv-llmcompressor/bin/python  # CPU test
+
+1. Builds the checkpoint once (bench/build_checkpoint.py: Qwen2.5-7B shape from bench/configs, random init
+   on the device, bf16 safetensors under --work; reused when already there with the same spec).
+2. Runs each selected job in its own process, so peak GPU memory is that job's alone:
+   ours-awq / ours-gptq   bench/bench_ours.py on bench/recipes/bench-{awq,gptq}-g128.yaml (eval off)
+   llmc-awq / llmc-gptq   bench/peers/llmc_bench.py (oneshot, same calibration token blocks)
+   ours-72b-awq / -gptq   our pipeline on --layers-72b layers of the Qwen2.5-72B shape, extrapolated to all
+                          layers of that config (ours-72b selects both)
+3. Writes $OUT/gpu_bench.json (or --out) after every job, so a command cut off at its limit keeps what
+   finished, copies each job's log tail beside it, and prints a table: ours vs llm-compressor per stage,
+   per layer, peak GPU memory, and the ratio (peer / ours: above 1 means ours is faster or smaller).
+A job that fails (crash, timeout) is recorded with its exit code and log tail; the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_table import table  # noqa: E402
+JOBS = ("ours-awq", "ours-gptq", "llmc-awq", "llmc-gptq", "ours-72b-awq", "ours-72b-gptq")
+ALIASES = {"ours-72b": ("ours-72b-awq", "ours-72b-gptq"), "all-7b": JOBS[:4]}
+LOG_TAIL_BYTES = 256 * 1024
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--only", default="all-7b", help=f"comma-separated jobs: {', '.join(JOBS)}; "
+                                                     f"aliases: {', '.join(ALIASES)} (default all-7b)")
+    ap.add_argument("--layers", type=int, default=None, help="cut the 7B shape to N decoder layers")
+    ap.add_argument("--layers-72b", type=int, default=2, help="decoder layers of the 72B shape to run")
+    ap.add_argument("--tiny", action="store_true", help="2 layers of hidden 256 (tests the bench on a CPU)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--n-samples", type=int, default=None, help="calibration blocks (default 128; tiny 8)")
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per block (default 512; tiny 128)")
+    ap.add_argument("--peer-batch-size", type=int, default=1, help="oneshot batch_size (its default: 1)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-bench"), help="checkpoints, artifacts, logs")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "/tmp/gpu-bench/out"))
+    ap.add_argument("--wheels", type=Path, default=None, help="install these wheels into WORK/site first and "
+                                                              "put it on every job's PYTHONPATH")
+    ap.add_argument("--ours-python", default=sys.executable)
+    ap.add_argument("--peer-python", default=sys.executable)
+    ap.add_argument("--job-timeout", type=int, default=0, help="seconds per job, 0 = none")
+    args = ap.parse_args(argv)
+    jobs: list[str] = []
+    for name in filter(None, (s.strip() for s in args.only.split(","))):
+        if name not in JOBS and name not in ALIASES:
+            ap.error(f"--only: unknown job {name!r}; use {', '.join(JOBS)} or {', '.join(ALIASES)}")
+        jobs += [j for j in ALIASES.get(name, (name,)) if j not in jobs]
+    args.jobs = jobs
+    args.work, args.out = args.work.resolve(), args.out.resolve()  # jobs run with cwd = the repository root
+    if args.wheels is not None:
+        args.wheels = args.wheels.resolve()
+    args.n_samples = args.n_samples or (8 if args.tiny else 128)
+    args.seq_len = args.seq_len or (128 if args.tiny else 512)
+    return args
+
+
+def install_wheels(wheels: Path, site: Path) -> dict:
+    """pip install --no-index --no-deps every wheel in `wheels` into `site` (skipped when already done)."""
+    files = sorted(p.name for p in wheels.glob("*.whl"))
+    if not files:
+        raise SystemExit(f"error: --wheels {wheels} holds no .whl files; run bench/peers/collect_wheels.sh {wheels}")
+    stamp = site / ".installed.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == files:
+        return {"wheels": files, "reused": True}
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+           "--no-cache-dir", "--upgrade", "--target", str(site), *(str(wheels / f) for f in files)]
+    subprocess.run(cmd, check=True)
+    stamp.write_text(json.dumps(files))
+    return {"wheels": files, "reused": False}
+
+
+def child_env(site: Path | None) -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TQDM_DISABLE="1",
+               TOKENIZERS_PARALLELISM="false")
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def run_job(name: str, cmd: list[str], env: dict, work: Path, out: Path, timeout: int) -> dict:
+    """Run one job's process; its log goes to WORK/logs and its tail to OUT -> the job's record."""
+    log = work / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    result = work / "results" / f"{name}.json"
+    result.parent.mkdir(parents=True, exist_ok=True)
+    result.unlink(missing_ok=True)
+    print(f"== {name}: {' '.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    with log.open("wb") as fh:
+        try:
+            rc = subprocess.run([*cmd, "--json", str(result)], stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                cwd=ROOT, timeout=timeout or None).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = round(time.perf_counter() - t0, 2)
+    tail = log.read_bytes()[-LOG_TAIL_BYTES:]
+    (out / f"{name}.log").write_bytes(tail)
+    if rc == 0 and result.is_file():
+        record = {"ok": True, "wall_s": wall, **json.loads(result.read_text())}
+    else:
+        record = {"ok": False, "rc": rc, "wall_s": wall, "log_tail": tail[-4000:].decode(errors="replace")}
+    print(f"== {name}: {'ok' if record['ok'] else 'FAILED rc=' + str(rc)} in {wall} s", flush=True)
+    return record
+
+
+def build(config: str, name: str, layers: int | None, args, env: dict) -> dict:
+    """Build (or reuse) the checkpoint WORK/ckpt/<name> -> build record (path, spec, params, build_s)."""
+    out = args.work / "ckpt" / name
+    cmd = [args.ours_python, str(ROOT / "bench" / "build_checkpoint.py"), "--config",
+           str(ROOT / "bench" / "configs" / config), "--out", str(out), "--device", args.device]
+    cmd += ["--tiny"] if args.tiny else []
+    cmd += ["--layers", str(layers)] if layers is not None else []
+    print(f"== build {name}", flush=True)
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if p.returncode != 0:
+        return {"ok": False, "rc": p.returncode, "log_tail": (p.stdout + p.stderr)[-4000:]}
+    record = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"== build {name}: {record['params'] / 1e9:.2f} B params, {'reused' if record['reused'] else 'built'} "
+          f"in {time.perf_counter() - t0:.1f} s", flush=True)
+    return {"ok": True, **record}
+
+
+def write_recipe(method: str, model: str, args) -> Path:
+    """A recipe inheriting bench/recipes/bench-<method>-g128.yaml with this run's model, device and sizes."""
+    base = ROOT / "bench" / "recipes" / f"bench-{method}-g128.yaml"
+    name = f"bench-{method}-{Path(model).name}"
+    path = args.work / "recipes" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({"name": name, "base": str(base), "model": model, "device": args.device,
+                                    "calibration": {"n_samples": args.n_samples, "seq_len": args.seq_len}}))
+    return path
+
+
+def job_command(job: str, model: str, args) -> list[str]:
+    method = job.rsplit("-", 1)[1]
+    if job.startswith("ours"):
+        return [args.ours_python, str(ROOT / "bench" / "bench_ours.py"), str(write_recipe(method, model, args)),
+                "--out-root", str(args.work / "artifacts")]
+    return [args.peer_python, str(ROOT / "bench" / "peers" / "llmc_bench.py"), "--method", method,
+            "--model", model, "--out", str(args.work / "artifacts" / f"llmc-{method}-{Path(model).name}"),
+            "--device", args.device, "--n-samples", str(args.n_samples), "--seq-len", str(args.seq_len),
+            "--batch-size", str(args.peer_batch_size)]
+
+
+def extrapolate(record: dict, total_layers: int) -> dict:
+    """Our per-layer time on a few layers -> the quantize stage for all `total_layers` layers."""
+    per = record["per_layer"]["mean_after_first_s"]
+    return {"total_layers": total_layers, "measured_layers": record["per_layer"]["n"], "per_layer_s": per,
+            "quantize_s": round(per * total_layers, 1),
+            "note": "quantize stage only: per-layer mean (after the first layer when more than one ran) x "
+                    "layers; load and export grow with the checkpoint and are not extrapolated; peak GPU "
+                    "memory does not grow with the layer count (one layer on the GPU at a time)"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "command": sys.argv, "jobs": args.jobs, "device": args.device, "tiny": args.tiny,
+                    "calibration": {"n_samples": args.n_samples, "seq_len": args.seq_len}, "builds": {}, "runs": {}}
+    site = None
+    if args.wheels is not None:
+        site = args.work / "site"
+        report["wheels"] = install_wheels(args.wheels, site)
+    env = child_env(site)
+
+    def save() -> None:
+        (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+    for job in args.jobs:
+        big = "72b" in job
+        name = ("tiny-72b" if big else "tiny-7b") if args.tiny else \
+            (f"qwen2.5-72b-L{args.layers_72b}" if big else f"qwen2.5-7b-L{args.layers or 28}")
+        if name not in report["builds"]:
+            layers = args.layers_72b if big else args.layers
+            report["builds"][name] = build("qwen2.5-72b" if big else "qwen2.5-7b", name, layers, args, env)
+            save()
+        b = report["builds"][name]
+        if not b["ok"]:
+            report["runs"][job] = {"ok": False, "rc": "build failed", "log_tail": b["log_tail"]}
+            continue
+        record = run_job(job, job_command(job, b["path"], args), env, args.work, args.out, args.job_timeout)
+        if big and record["ok"] and record["per_layer"]["n"]:
+            cfg = json.loads((ROOT / "bench" / "configs" / "qwen2.5-72b" / "config.json").read_text())
+            record["extrapolated"] = extrapolate(record, cfg["num_hidden_layers"])
+        report["runs"][job] = record
+        save()
+    text = table(report)
+    report["table"] = text.splitlines()
+    save()
+    print(text)
+    return 0 if all(r["ok"] for r in report["runs"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
