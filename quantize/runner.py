@@ -11,14 +11,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from . import calib, export, source
-from .arch import arch_for
+from .arch import Arch, arch_for
 from .engine import is_skipped, quantize_awq, quantize_gptq, quantize_rtn
 from .pack import pack_all
-from .preflight import PreflightError, plan
+from .lock import output_lock
+from .preflight import Plan, PreflightError, check_free_disk, human_bytes, plan
 from .recipe import Recipe, load_recipe
 
 log = logging.getLogger(__name__)
@@ -79,56 +81,109 @@ def _tied(model) -> bool:
     return head is not None and head.weight.data_ptr() == embed.weight.data_ptr()
 
 
-def preflight_only(recipe_name: str) -> str:
-    """Resolve, read config, plan: no weights loaded -> the report (also what `run` logs first)."""
-    recipe = load_recipe(recipe_name)
-    src = source.resolve(recipe.model)
-    config = source.read_config(src, recipe.trust_remote_code)
-    the_plan = plan(config, arch_for(config), recipe, is_skipped)
-    return f"{recipe.name}: {recipe.method} w{recipe.w_bit} g{recipe.q_group_size} format {recipe.out_format}\n" \
-           f"{the_plan.summary()}\n{the_plan.table()}\n\n{the_plan.to_json()}"
+@dataclass
+class Checked:
+    """What pre-flight established before any weight is loaded."""
+
+    src: source.ModelSource
+    config: Any
+    arch: Arch
+    plan: Plan
+    device: torch.device
+    compute_dtype: torch.dtype
+    free_bytes: int  # on the disk that will hold the artifact
+    samples: torch.Tensor | None = None  # calibration input_ids [n_samples, seq_len] (awq, gptq)
+    calib_record: dict | None = None
 
 
-def run(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False) -> Path:
-    """Quantize per recipe -> the artifact directory."""
-    timings = Timings()
+def _calibration(recipe: Recipe, src: source.ModelSource) -> tuple[torch.Tensor, dict]:
+    """Tokenizer + calibration text -> (input_ids [n_samples, seq_len], manifest record); no weights needed.
+
+    CalibrationError (tokens available vs needed, and which key to change) when the text is too short.
+    """
+    tokenizer = source.load_tokenizer(src, recipe.trust_remote_code)
+    c = recipe.calibration
+    text = calib.load_text(c.dataset, c.split, c.subset, c.text_column)
+    samples = calib.make_samples(text.documents, tokenizer, c.n_samples, c.seq_len, c.seed)
+    record = {"dataset": c.dataset, "source": text.source, "sha256": text.sha256,
+              "n_samples": c.n_samples, "seq_len": c.seq_len, "seed": c.seed,
+              "tokens": int(samples.numel()),
+              "samples_sha256": hashlib.sha256(samples.numpy().tobytes()).hexdigest()}
+    log.info("calibration: %d x %d tokens from %s", c.n_samples, c.seq_len, text.source)
+    return samples, record
+
+
+def preflight(recipe: Recipe, out: Path, force: bool, timings: Timings) -> Checked:
+    """Every check that needs no weights, in timed stages `preflight` and `calibrate` -> Checked.
+
+    Output present (without force), untrusted custom code or pickle-only weights, unsupported architecture,
+    shapes the format or vLLM's kernels cannot take, too little free disk, too little calibration text:
+    each raises its own error with what to change, before the model is loaded.
+    """
     with timings.stage("preflight"):
-        recipe = load_recipe(recipe_name)
-        out = Path(out_root) / recipe.name
         if out.exists() and not force:
             raise export.OutputExistsError(f"output {out} already exists; remove it or pass --force (make ... FORCE=1)")
         src = source.resolve(recipe.model)
         config = source.read_config(src, recipe.trust_remote_code)
+        source.check_weights(src)
         arch = arch_for(config)
         the_plan = plan(config, arch, recipe, is_skipped)
-        convert = set(the_plan.convert)
+        copied = sum((src.path / f).stat().st_size for f in source.TOKENIZER_FILES if (src.path / f).is_file())
+        free = check_free_disk(out, the_plan.tensor_bytes + copied)
         device = pick_device(recipe)
         compute_dtype = pick_compute_dtype(recipe, device)
-        dtype = DTYPES[recipe.dtype]
         log.info("recipe %s: %s w%d g%d zero_point=%s format %s on %s (compute %s)", recipe.name, recipe.method,
                  recipe.w_bit, recipe.q_group_size, recipe.zero_point, recipe.out_format, device,
                  str(compute_dtype).removeprefix("torch."))
         log.info("pre-flight: %s\n%s", the_plan.summary(), the_plan.table())
+        log.info("pre-flight: %s free on the output's disk", human_bytes(free))
         for name, why in the_plan.skipped.items():
             if why != "modules_to_not_convert":
                 log.warning("pre-flight: %s stays 16-bit: %s", name, why)
+    checked = Checked(src, config, arch, the_plan, device, compute_dtype, free)
+    if recipe.method in ("awq", "gptq"):
+        with timings.stage("calibrate"):
+            checked.samples, checked.calib_record = _calibration(recipe, src)
+    return checked
+
+
+def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False) -> str:
+    """Every pre-flight check of `run`, no weights loaded -> the report (also what `run` logs first)."""
+    recipe = load_recipe(recipe_name)
+    out = Path(out_root) / recipe.name
+    pf = preflight(recipe, out, force, Timings())
+    c = recipe.calibration
+    calib_line = (f"calibration: {c.n_samples} x {c.seq_len} tokens from {pf.calib_record['source']}"
+                  if pf.calib_record else "calibration: none (rtn)")
+    return f"{recipe.name}: {recipe.method} w{recipe.w_bit} g{recipe.q_group_size} format {recipe.out_format}\n" \
+           f"{pf.plan.summary()}\n{pf.plan.table()}\n" \
+           f"output {out}: {human_bytes(pf.free_bytes)} free on its disk\n{calib_line}\n\n{pf.plan.to_json()}"
+
+
+def run(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False) -> Path:
+    """Quantize per recipe -> the artifact directory. `<out>.lock` is held for the whole run."""
+    recipe = load_recipe(recipe_name)
+    out = Path(out_root) / recipe.name
+    with output_lock(out):
+        return _run(recipe, out, force)
+
+
+def _run(recipe: Recipe, out: Path, force: bool) -> Path:
+    """The run itself, under the output lock."""
+    timings = Timings()
+    pf = preflight(recipe, out, force, timings)
+    src, config, arch, the_plan = pf.src, pf.config, pf.arch, pf.plan
+    device, compute_dtype = pf.device, pf.compute_dtype
+    convert = set(the_plan.convert)
+    dtype = DTYPES[recipe.dtype]
     with timings.stage("load"):
         storage_dtype = compute_dtype if device.type == "cpu" else dtype
         model = source.load_model(src, storage_dtype, recipe.trust_remote_code)
         tied = _tied(model)
-    calib_record = None
+    calib_record = pf.calib_record
     stats: dict = {}
     if recipe.method in ("awq", "gptq"):
-        with timings.stage("calibrate"):
-            tokenizer = source.load_tokenizer(src, recipe.trust_remote_code)
-            c = recipe.calibration
-            text = calib.load_text(c.dataset, c.split, c.subset, c.text_column)
-            samples = calib.make_samples(text.documents, tokenizer, c.n_samples, c.seq_len, c.seed)
-            calib_record = {"dataset": c.dataset, "source": text.source, "sha256": text.sha256,
-                            "n_samples": c.n_samples, "seq_len": c.seq_len, "seed": c.seed,
-                            "tokens": int(samples.numel()),
-                            "samples_sha256": hashlib.sha256(samples.numpy().tobytes()).hexdigest()}
-            log.info("calibration: %d x %d tokens from %s", c.n_samples, c.seq_len, text.source)
+        samples = pf.samples
         quantize_fn = quantize_awq if recipe.method == "awq" else quantize_gptq
         with timings.stage("quantize"):
             results, stats = quantize_fn(model, arch, samples, recipe, convert, device, compute_dtype, dtype)
