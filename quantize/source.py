@@ -205,7 +205,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool 
     """The model on the CPU in `dtype`, from safetensors only (pickle checkpoints are refused)."""
     from transformers import AutoModelForCausalLM
 
-    check_weights(source)
+    if not list(source.path.glob("*.safetensors")):
+        check_weights(source)  # raises, saying why (pre-flight has already warned about ignored pickles)
     model = AutoModelForCausalLM.from_pretrained(
         source.path,
         dtype=dtype,

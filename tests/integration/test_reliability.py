@@ -333,3 +333,35 @@ def test_cli_user_errors_exit_2(tiny_llama, tmp_path, monkeypatch, capsys):
         monkeypatch.setattr(runner, "run", lambda *a, _e=err, **k: (_ for _ in ()).throw(_e))
         assert cli.main(["run", str(tiny_recipe(tmp_path, tiny_llama)), "--out", str(tmp_path / "a")]) == 2
         assert capsys.readouterr().err.strip() == f"error: {err}"
+
+
+# --- model path, device ------------------------------------------------------------------------------------
+
+def test_model_path_and_config_checked_first(tmp_path, no_weights):
+    with pytest.raises(source.ModelSourceError, match="is neither a directory with config.json, a .gguf file"):
+        runner.run(tiny_recipe(tmp_path, tmp_path / "nowhere", name="nowhere"), out_root=tmp_path / "a")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(source.ModelSourceError, match=r"directory .*empty has no config.json"):
+        runner.run(tiny_recipe(tmp_path, tmp_path / "empty", name="empty"), out_root=tmp_path / "a")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_asked_without_cuda(tiny_llama, tmp_path, no_weights):
+    with pytest.raises(runner.PreflightError, match="no CUDA device is visible; use device: auto or cpu"):
+        runner.run(tiny_recipe(tmp_path, tiny_llama, name="cuda", device="cuda"), out_root=tmp_path / "a")
+
+
+@pytest.mark.vllm
+def test_vllm_serves_tied_artifact_like_our_decoding(tmp_path):
+    """vLLM ties lm_head to embed_tokens from config.json alone: its logprobs match our decoding."""
+    from eval.agreement import hf_logprobs, prompt_logprob_delta
+    from eval.artifact import load_dequantized
+    from eval.vllm_run import run_vllm
+
+    d = build_tiny_model(tmp_path / "tied", "llama", tie=True)
+    out = runner.run(tiny_recipe(tmp_path, d, name="tied-vllm"), out_root=tmp_path / "a")
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(3, 512, (24,), generator=g).tolist() for _ in range(3)]
+    res = run_vllm(out, ids, top_k=5, max_tokens=4)
+    delta = prompt_logprob_delta(res["prompt_logprobs"], hf_logprobs(load_dequantized(out, torch.float32), ids))
+    assert delta["mean_abs_delta"] < 0.01, delta
