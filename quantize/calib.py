@@ -132,6 +132,6 @@ def make_samples(docs: list[str], tokenizer, n_samples: int, seq_len: int, seed:
     if len(ids) < need:
         raise CalibrationError(
             f"calibration text has {len(ids)} tokens but n_samples x seq_len = {n_samples} x {seq_len} = {need}; "
-            f"lower calibration.n_samples or calibration.seq_len, or use a longer text"
+            f"lower calibration.n_samples or calibration.seq_len, or set calibration.dataset to a longer text"
         )
     return torch.tensor(ids[:need], dtype=torch.long).reshape(n_samples, seq_len)  # [n, seq]

@@ -7,6 +7,7 @@ file, so a reader can verify the artifact before trusting it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -20,6 +21,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from .preflight import human_bytes
 from .recipe import parse_size
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,13 @@ MANIFEST = "manifest.json"
 
 class OutputExistsError(FileExistsError):
     pass
+
+
+class DiskFullError(OSError):
+    """The disk filled up (or a quota was hit) while an artifact was written; nothing was left behind."""
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -119,10 +128,27 @@ def atomic_write_dir(out: Path, fill: Callable[[Path], dict], force: bool = Fals
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
+        written = _tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            raise _disk_full(out, e, written) from e
         raise
     return out
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
+
+
+def _disk_full(out: Path, err: OSError, written: int) -> DiskFullError:
+    what = "disk is full" if err.errno == errno.ENOSPC else "disk quota is exceeded"
+    state = f"the previous {out} is untouched" if out.exists() else f"{out} was not created"
+    free = shutil.disk_usage(out.parent).free
+    return DiskFullError(
+        f"the {what} on {out.parent.resolve()} while writing the artifact ({human_bytes(written)} written when "
+        f"it failed: {err.strerror or err}); the partial files were removed and {state}. {human_bytes(free)} are free "
+        f"there now: free more space on that disk or write elsewhere with --out DIR, then rerun")
 
 
 def build_state_dict(model, quantized: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype,

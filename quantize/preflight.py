@@ -10,7 +10,10 @@ build every format runs through the CPU W4A16/W8A16 kernel.
 from __future__ import annotations
 
 import json
+import math
+import shutil
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -45,6 +48,8 @@ class Plan:
     skipped: dict[str, str] = field(default_factory=dict)  # full name -> why it stays 16-bit
     layers: list[LayerCheck] = field(default_factory=list)
     tp_sizes: list[int] = field(default_factory=list)  # tensor-parallel sizes the artifact can be served at
+    tied_embeddings: bool = False  # lm_head shares the input embedding: kept tied, 16-bit, not written
+    tensor_bytes: int = 0  # estimated bytes of every tensor the artifact will hold
 
     def summary(self) -> str:
         kernels: dict[str, int] = {}
@@ -52,8 +57,10 @@ class Plan:
             kernels[lc.cuda_kernel] = kernels.get(lc.cuda_kernel, 0) + 1
         ks = ", ".join(f"{k}: {v}" for k, v in sorted(kernels.items()))
         cpu = sorted({lc.cpu_kernel for lc in self.layers})
+        tied = "; lm_head tied to the input embedding (kept tied and 16-bit)" if self.tied_embeddings else ""
         return (f"{len(self.convert)} linears to convert ({ks} on CUDA; CPU build: {', '.join(cpu)}); "
-                f"{len(self.skipped)} kept 16-bit; tensor-parallel sizes OK: {self.tp_sizes}")
+                f"{len(self.skipped)} kept 16-bit; tensor-parallel sizes OK: {self.tp_sizes}{tied}; "
+                f"weights about {human_bytes(self.tensor_bytes)}")
 
     def table(self) -> str:
         """One row per distinct (linear, shape, kernel) with the number of layers it covers."""
@@ -69,6 +76,8 @@ class Plan:
         for name, why in self.skipped.items():
             if why != "modules_to_not_convert":
                 lines.append(f"{name}: stays 16-bit: {why}")
+        if self.tied_embeddings:
+            lines.append("lm_head: tied to the input embedding: kept tied and 16-bit (lm_head.weight not written)")
         lines.append(f"tensor-parallel sizes at which every layer stays divisible: {self.tp_sizes}")
         return "\n".join(lines)
 
@@ -151,4 +160,62 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
         shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
         raise PreflightError("the recipe cannot be applied to this model:\n  - " + "\n  - ".join(shown))
     out.tp_sizes = _tp_sizes(shapes, g)
+    out.tied_embeddings = _tied(meta)
+    out.tensor_bytes = estimate_tensor_bytes(meta, set(out.convert), recipe, out.tied_embeddings)
     return out
+
+
+def _tied(model) -> bool:
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and head.weight is embed.weight
+
+
+def estimate_tensor_bytes(meta, convert: set[str], recipe: Recipe, tied: bool) -> int:
+    """Bytes of the tensors the artifact will hold, from shapes alone (a meta-device model).
+
+    A converted linear [out, in] -> packed codes out*in*b/8 + scales n_group*out*2 + zeros n_group*out*b/8
+    (+ g_idx in*4 for GPTQ); every other tensor at the recipe dtype (2 bytes); a tied lm_head is not written.
+    """
+    item = torch.empty((), dtype=getattr(torch, recipe.dtype)).element_size()
+    bits, g = recipe.w_bit, recipe.q_group_size
+    total = 0
+    for name, t in meta.state_dict().items():
+        module = name.removesuffix(".weight")
+        if tied and name == "lm_head.weight":
+            continue
+        if name.endswith(".weight") and module in convert:
+            out_f, in_f = t.shape
+            groups = 1 if g == -1 else math.ceil(in_f / g)
+            total += out_f * in_f * bits // 8 + groups * out_f * (item + math.ceil(bits / 8))
+            total += in_f * 4 if recipe.out_format == "gptq" else 0
+        else:
+            total += t.numel() * (item if t.is_floating_point() else t.element_size())
+    return total
+
+
+def human_bytes(n: float) -> str:
+    """12345678 -> '12.35 MB' (decimal units, as disk tools print them)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def check_free_disk(out: Path, need: int, margin: float = 0.05) -> int:
+    """Refuse (PreflightError) when the disk that will hold `out` has less than need * (1 + margin) free.
+
+    The artifact is written next to `out` before it is renamed into place, so an old artifact replaced with
+    --force still occupies its space during the write. -> free bytes.
+    """
+    probe = Path(out).absolute().parent
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    want = int(need * (1 + margin))
+    if free < want:
+        raise PreflightError(
+            f"not enough free disk for the artifact {out}: it needs about {human_bytes(want)} (estimated from "
+            f"the plan: packed weights, scales, zeros and unconverted tensors, +{margin:.0%}) but {probe} has "
+            f"{human_bytes(free)} free; free some space on that disk or write elsewhere with --out DIR")
+    return free

@@ -7,19 +7,21 @@ import logging
 import platform
 import subprocess
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from . import calib, export, modelcard, source
-from .arch import arch_for
+from .arch import Arch, arch_for
 from .capture import run_shared
 from .engine import Job, feature_names, is_skipped
 from .pack import pack_all
-from .preflight import PreflightError, plan
+from .lock import output_lock
+from .preflight import Plan, PreflightError, check_free_disk, human_bytes, plan
 from .recipe import Recipe, load_recipe
 
 log = logging.getLogger(__name__)
@@ -80,14 +82,68 @@ def _tied(model) -> bool:
     return head is not None and head.weight.data_ptr() == embed.weight.data_ptr()
 
 
-def preflight_only(recipe_name: str) -> str:
-    """Resolve, read config, plan: no weights loaded -> the report (also what `run` logs first)."""
+@dataclass
+class Checked:
+    """What pre-flight established for a set of recipes sharing one model, before any weight is loaded."""
+
+    src: source.ModelSource
+    config: Any
+    arch: Arch
+    plans: list[Plan]
+    device: torch.device
+    compute_dtype: torch.dtype
+    free_bytes: int  # on the disk that will hold the artifacts
+    samples: torch.Tensor | None = None  # calibration input_ids [n_samples, seq_len] (awq, gptq)
+    calib_record: dict | None = None
+
+
+def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Timings) -> Checked:
+    """Every check that needs no weights, in timed stages `preflight` and `calibrate` -> Checked.
+
+    Output present (without force), untrusted custom code or pickle-only weights, unsupported architecture,
+    shapes the format or vLLM's kernels cannot take, too little free disk for all outputs, too little
+    calibration text: each raises its own error with what to change, before the model is loaded.
+    """
+    if len({share_key(r) for r in recipes}) != 1:
+        diff = [k for k in SHARED_KEYS if len({repr(r.to_dict()[k]) for r in recipes}) > 1]
+        raise PreflightError(f"recipes {[r.name for r in recipes]} cannot share a pass: they differ in {diff}")
+    if len({r.name for r in recipes}) != len(recipes):
+        raise PreflightError(f"two recipes have the same name in {[r.name for r in recipes]}")
+    first = recipes[0]
+    with timings.stage("preflight"):
+        for out in outs:
+            if out.exists() and not force:
+                raise export.OutputExistsError(f"output {out} already exists; remove it or pass --force "
+                                               f"(make ... FORCE=1)")
+        src = source.resolve(first.model)
+        config = source.read_config(src, first.trust_remote_code)
+        source.check_weights(src)
+        arch = arch_for(config)
+        plans = [_plan_and_log(r, config, arch) for r in recipes]
+        copied = sum((src.path / f).stat().st_size for f in source.TOKENIZER_FILES if (src.path / f).is_file())
+        free = check_free_disk(outs[0], sum(p.tensor_bytes + copied for p in plans))
+        device = pick_device(first)
+        compute_dtype = pick_compute_dtype(first, device)
+        log.info("pre-flight: %s free on the output's disk; computing on %s in %s", human_bytes(free), device,
+                 str(compute_dtype).removeprefix("torch."))
+    checked = Checked(src, config, arch, plans, device, compute_dtype, free)
+    if any(r.method in ("awq", "gptq") for r in recipes):
+        with timings.stage("calibrate"):
+            checked.samples, checked.calib_record = _calibration(first, src)
+    return checked
+
+
+def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False) -> str:
+    """Every pre-flight check of `run`, no weights loaded -> the report (also what `run` logs first)."""
     recipe = load_recipe(recipe_name)
-    src = source.resolve(recipe.model)
-    config = source.read_config(src, recipe.trust_remote_code)
-    the_plan = plan(config, arch_for(config), recipe, is_skipped)
+    out = Path(out_root) / recipe.name
+    pf = preflight([recipe], [out], force, Timings())
+    c, the_plan = recipe.calibration, pf.plans[0]
+    calib_line = (f"calibration: {c.n_samples} x {c.seq_len} tokens from {pf.calib_record['source']}"
+                  if pf.calib_record else "calibration: none (rtn)")
     return f"{recipe.name}: {recipe.method} w{recipe.w_bit} g{recipe.q_group_size} format {recipe.out_format}\n" \
-           f"{the_plan.summary()}\n{the_plan.table()}\n\n{the_plan.to_json()}"
+           f"{the_plan.summary()}\n{the_plan.table()}\n" \
+           f"output {out}: {human_bytes(pf.free_bytes)} free on its disk\n{calib_line}\n\n{the_plan.to_json()}"
 
 
 SHARED_KEYS = ("model", "calibration", "device", "dtype", "compute_dtype", "batch_size", "trust_remote_code")
@@ -100,7 +156,7 @@ def share_key(recipe: Recipe) -> tuple:
 
 
 def run(recipe_name: str | Path, out_root: str | Path = "artifacts", force: bool = False) -> Path:
-    """Quantize per recipe -> the artifact directory."""
+    """Quantize per recipe -> the artifact directory. `<out>.lock` is held for the whole run."""
     return run_many([load_recipe(recipe_name)], out_root, force)[0]
 
 
@@ -108,44 +164,33 @@ def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: b
     """Quantize several recipes of one model in one pass -> their artifact directories (in order).
 
     One model load, one calibration set, and one trip of each decoder layer to the device serve every recipe;
-    each recipe still computes exactly what it would alone (see `capture.run_shared`).
+    each recipe still computes exactly what it would alone (see `capture.run_shared`). Every output's lock is
+    held for the whole run.
     """
-    if len({share_key(r) for r in recipes}) != 1:
-        diff = [k for k in SHARED_KEYS if len({repr(r.to_dict()[k]) for r in recipes}) > 1]
-        raise PreflightError(f"recipes {[r.name for r in recipes]} cannot share a pass: they differ in {diff}")
-    if len({r.name for r in recipes}) != len(recipes):
-        raise PreflightError(f"two recipes have the same name in {[r.name for r in recipes]}")
-    timings = Timings()
-    first = recipes[0]
-    with timings.stage("preflight"):
-        outs = [Path(out_root) / r.name for r in recipes]
+    outs = [Path(out_root) / r.name for r in recipes]
+    with ExitStack() as locks:
         for out in outs:
-            if out.exists() and not force:
-                raise export.OutputExistsError(f"output {out} already exists; remove it or pass --force "
-                                               f"(make ... FORCE=1)")
-        src = source.resolve(first.model)
-        config = source.read_config(src, first.trust_remote_code)
-        arch = arch_for(config)
-        plans = [_plan_and_log(r, config, arch) for r in recipes]
-        device = pick_device(first)
-        compute_dtype = pick_compute_dtype(first, device)
-        dtype = DTYPES[first.dtype]
+            locks.enter_context(output_lock(out))
+        return _run_many(recipes, outs, force)
+
+
+def _run_many(recipes: list[Recipe], outs: list[Path], force: bool) -> list[Path]:
+    timings = Timings()
+    pf = preflight(recipes, outs, force, timings)
+    first, device, compute_dtype = recipes[0], pf.device, pf.compute_dtype
+    dtype = DTYPES[first.dtype]
     with timings.stage("load"):
         storage_dtype = compute_dtype if device.type == "cpu" else dtype
-        model = source.load_model(src, storage_dtype, first.trust_remote_code)
+        model = source.load_model(pf.src, storage_dtype, first.trust_remote_code)
         tied = _tied(model)
-    jobs = [Job(r, arch, set(p.convert), dtype) for r, p in zip(recipes, plans)]
-    samples, calib_record = None, None
-    if any(j.propagate != "none" for j in jobs):
-        with timings.stage("calibrate"):
-            samples, calib_record = _calibration(first, src)
+    jobs = [Job(r, pf.arch, set(p.convert), dtype) for r, p in zip(recipes, pf.plans)]
     with timings.stage("quantize"):
-        run_shared(model, arch, samples, device, compute_dtype, first.batch_size, feature_names(arch), jobs)
+        run_shared(model, pf.arch, pf.samples, device, compute_dtype, first.batch_size, feature_names(pf.arch), jobs)
     shared = {"variants": [r.name for r in recipes], "pass_s": timings.stages["quantize"],
               "per_variant_s": {j.recipe.name: round(j.seconds, 3) for j in jobs}} if len(jobs) > 1 else None
-    context = dict(src=src, config=config, tied=tied, device=device, compute_dtype=compute_dtype,
-                   storage_dtype=storage_dtype, dtype=dtype, calib_record=calib_record, shared=shared)
-    for job, the_plan, out in zip(jobs, plans, outs):
+    context = dict(src=pf.src, config=pf.config, tied=tied, device=device, compute_dtype=compute_dtype,
+                   storage_dtype=storage_dtype, dtype=dtype, calib_record=pf.calib_record, shared=shared)
+    for job, the_plan, out in zip(jobs, pf.plans, outs):
         stages = dict(timings.stages)
         if shared:
             stages["quantize"] = round(job.seconds, 3)
@@ -164,8 +209,11 @@ def _plan_and_log(recipe: Recipe, config, arch):
     return the_plan
 
 
-def _calibration(recipe: Recipe, src) -> tuple[torch.Tensor, dict]:
-    """The calibration token blocks [n_samples, seq_len] and what the manifest records about them."""
+def _calibration(recipe: Recipe, src: source.ModelSource) -> tuple[torch.Tensor, dict]:
+    """Tokenizer + calibration text -> (input_ids [n_samples, seq_len], manifest record); no weights needed.
+
+    CalibrationError (tokens available vs needed, and which key to change) when the text is too short.
+    """
     tokenizer = source.load_tokenizer(src, recipe.trust_remote_code)
     c = recipe.calibration
     text = calib.load_text(c.dataset, c.split, c.subset, c.text_column)

@@ -41,6 +41,10 @@ TOKENIZER_FILES = (
 )
 
 
+# Pickle-based checkpoint files: never unpickled (loading them can run arbitrary code).
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
 class ModelSourceError(ValueError):
     pass
 
@@ -137,9 +141,63 @@ def gguf_to_dir(gguf: Path) -> tuple[Path, str]:
     return target, sha
 
 
+def check_weights(source: ModelSource) -> list[str]:
+    """The safetensors files the model loads from -> names; ModelSourceError if there are none.
+
+    Pickle checkpoints (pytorch_model.bin, *.pt, *.pth, *.ckpt) are never read: unpickling can run code.
+    When both kinds are present the pickle files are ignored, with a warning.
+    """
+    tensors = sorted(p.name for p in source.path.glob("*.safetensors"))
+    pickles = sorted(p.name for p in source.path.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+    if not tensors:
+        found = f"only pickle weights ({', '.join(pickles[:4])}{' ...' if len(pickles) > 4 else ''})" if pickles \
+            else "no weights (no *.safetensors)"
+        raise ModelSourceError(
+            f"model {source.spec!r}: {source.path} has {found}. Pickle checkpoints are refused because loading "
+            f"them can run arbitrary code; convert the checkpoint to safetensors (for a checkpoint you trust: "
+            f"AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir), which writes safetensors) "
+            f"and point the recipe's `model` at the converted directory"
+        )
+    if pickles:
+        log.warning("model %s: ignoring pickle files %s; weights are read from %s only", source.path,
+                    ", ".join(pickles), ", ".join(tensors[:3]) + (" ..." if len(tensors) > 3 else ""))
+    return tensors
+
+
+def check_remote_code(source: ModelSource, trust_remote_code: bool) -> dict[str, object]:
+    """Refuse a model that ships its own Python code (an `auto_map`) unless the recipe trusts it by name.
+
+    -> {file: its auto_map} for the files that declare custom code (config.json, tokenizer_config.json).
+    """
+    found: dict[str, object] = {}
+    for fname in ("config.json", "tokenizer_config.json"):
+        path = source.path / fname
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise ModelSourceError(f"model {source.spec!r}: {path} is not valid JSON: {e}") from None
+        if isinstance(data, dict) and data.get("auto_map"):
+            found[fname] = data["auto_map"]
+    if found and not trust_remote_code:
+        what = "; ".join(f"{f} auto_map {m}" for f, m in found.items())
+        raise ModelSourceError(
+            f"model {source.spec!r} ships custom Python code ({what}) that loading it would run; this is "
+            f"refused by default. If you have read that code and trust it, set `trust_remote_code: true` "
+            f"in the recipe"
+        )
+    if trust_remote_code and not found:
+        log.warning("recipe sets trust_remote_code: true but %s ships no custom code (no auto_map): the flag "
+                    "is not needed and can be removed", source.path)
+    return found
+
+
 def read_config(source: ModelSource, trust_remote_code: bool = False):
+    """config.json -> transformers config, after refusing custom code the recipe does not trust."""
     from transformers import AutoConfig
 
+    check_remote_code(source, trust_remote_code)
     return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
 
 
@@ -148,10 +206,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool 
     from transformers import AutoModelForCausalLM
 
     if not list(source.path.glob("*.safetensors")):
-        raise ModelSourceError(
-            f"{source.path} has no .safetensors weights; pickle checkpoints (.bin/.pt) are refused because "
-            f"loading them can run code. Convert them to safetensors first."
-        )
+        check_weights(source)  # raises, saying why (pre-flight has already warned about ignored pickles)
     model = AutoModelForCausalLM.from_pretrained(
         source.path,
         dtype=dtype,
