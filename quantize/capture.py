@@ -125,6 +125,25 @@ class LayerJob(Protocol):
     def keep(self, index: int, layer: nn.Module) -> None: ...
 
 
+class NumericalError(FloatingPointError):
+    """NaN/inf that upcasting cannot cure; the message names the layer and the cause."""
+
+
+def _cast(obj, dtype: torch.dtype):
+    """Floating tensors inside obj (tensor / tuple / list / dict) -> dtype; everything else unchanged."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_cast(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _finite(tensors) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def run_shared(
     model: nn.Module,
     arch: Arch,
@@ -134,53 +153,132 @@ def run_shared(
     batch_size: int,
     feature_names: list[str],
     jobs: Sequence[LayerJob],
-) -> None:
+    checkpointer=None,
+) -> list[str]:
     """One pass over the decoder layers serving several jobs (recipes) that share a model and calibration.
 
     Each layer moves to `device` once. The FP forward (layer outputs and linear inputs) is computed once for
     every job that propagates "fp"; a job with a private chain gets its own inputs. With one job the layer is
     processed in place; with several, each job works on its own copy, so every job sees the unmodified layer
     and computes exactly what it would compute alone. `job.keep(i, layer)` receives the layer as the job left it.
+    checkpointer: a `checkpoint.Checkpointer`; the pass resumes after its last saved layer and saves as it goes.
+    NaN/inf: a layer with non-finite weights stops the run naming it; activations that overflow in half
+    precision (Qwen in fp16) switch the pass to float32 from that layer on -> notes saying where that happened.
     """
-    needs_inputs = any(j.propagate != "none" for j in jobs)
-    inputs, kwargs = ([], [])
-    if needs_inputs:
-        inputs, kwargs = first_layer_inputs(model, arch, samples, device, compute_dtype, batch_size)
-    chains = {id(j): inputs for j in jobs if j.propagate == "quantized"}
+    p = _SharedPass(arch, device, compute_dtype, feature_names, jobs)
+    start_at = 0
+    if any(j.propagate != "none" for j in jobs):
+        p.inputs, p.kwargs = first_layer_inputs(model, arch, samples, device, compute_dtype, batch_size)
+        p.chains = {n: p.inputs for n, j in enumerate(jobs) if j.propagate == "quantized"}  # by position in jobs
+        if not _finite(p.inputs):
+            raise NumericalError("the embeddings give NaN/inf for the calibration tokens: the checkpoint's "
+                                 "embedding weights are damaged")
+    if checkpointer is not None:
+        start_at, saved_inputs, saved_chains = checkpointer.resume(jobs)
+        if start_at:
+            p.restore(saved_inputs, saved_chains)
     layers = decoder_layers(model, arch)
     start = time.perf_counter()
-    for i, layer in enumerate(layers):
+    for i in range(start_at, len(layers)):
         t0 = time.perf_counter()
+        p.layer(i, layers[i])
+        done, total = i + 1, len(layers)
+        eta = (time.perf_counter() - start) / (done - start_at) * (total - done)
+        log.info("layer %d/%d done in %.1f s (eta %.0f s)", done, total, time.perf_counter() - t0, eta)
+        if checkpointer is not None and checkpointer.due(i, total):
+            checkpointer.save(i, jobs, _to(p.inputs, "cpu"), {n: _to(c, "cpu") for n, c in p.chains.items()})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return p.notes
+
+
+class _SharedPass:
+    """The state `run_shared` carries from layer to layer: FP-chain inputs, private chains, the compute dtype."""
+
+    def __init__(self, arch: Arch, device: torch.device, dtype: torch.dtype, feature_names: list[str], jobs):
+        self.arch, self.device, self.dtype, self.names, self.jobs = arch, device, dtype, feature_names, jobs
+        self.inputs: list[torch.Tensor] = []
+        self.kwargs: list[dict] = []
+        self.chains: dict[int, list[torch.Tensor]] = {}
+        self.notes: list[str] = []
+
+    def restore(self, inputs: list, chains: dict) -> None:
+        """Carry state from a checkpoint (in float32 if the saved pass had been upcast)."""
+        self.inputs = _to(inputs, self.device) if self.inputs else self.inputs
+        self.chains = {int(n): _to(c, self.device) for n, c in chains.items()}
+        saved = next(iter([*self.inputs, *(c[0] for c in self.chains.values())]), None)
+        if saved is not None and saved.dtype != self.dtype:
+            self._upcast(None)
+
+    def _upcast(self, why: str | None) -> None:
+        """Continue the pass in float32: inputs, chains and layer kwargs (rotary tables, masks) are cast."""
+        if why is not None:
+            if self.dtype == torch.float32:
+                raise NumericalError(f"{why} even in float32: the source weights or the calibration text produce "
+                                     f"non-finite values; check the checkpoint (e.g. for NaN weights)")
+            log.warning("%s in %s; continuing in float32 from here (half-precision overflow, as Qwen in fp16 "
+                        "shows)", why, str(self.dtype).removeprefix("torch."))
+            self.notes.append(f"{why} in {str(self.dtype).removeprefix('torch.')}: pass continued in float32")
+        self.dtype = torch.float32
+        self.inputs = _cast(self.inputs, torch.float32)
+        self.kwargs = _cast(self.kwargs, torch.float32)
+        self.chains = {n: _cast(c, torch.float32) for n, c in self.chains.items()}
+
+    def _check_weights(self, i: int, layer: nn.Module) -> None:
+        bad = [n for n, t in layer.named_parameters() if not bool(torch.isfinite(t).all())]
+        if bad:
+            raise NumericalError(f"decoder layer {i + 1}: {', '.join(bad)} contain NaN/inf in the source "
+                                 f"checkpoint; it cannot be quantized (re-export or repair the model)")
+
+    def _fp_forward(self, i: int, layer: nn.Module, names: list[str]):
+        outs, feats = forward_with_features(layer, self.inputs, self.kwargs, names)
+        if not (_finite(outs) and _finite(feats.values())):
+            self._upcast(f"decoder layer {i + 1}: NaN/inf in its activations")
+            layer.to(self.device, torch.float32)
+            outs, feats = forward_with_features(layer, self.inputs, self.kwargs, names)
+            if not (_finite(outs) and _finite(feats.values())):
+                self._upcast(f"decoder layer {i + 1}: NaN/inf in its activations")  # raises: already float32
+        return outs, feats
+
+    def layer(self, i: int, layer: nn.Module) -> None:
+        """Move layer i to the device, serve every job, move it back; advance the chains."""
         storage_dtype = next(layer.parameters()).dtype
-        layer.to(device, compute_dtype)
+        self._check_weights(i, layer)
+        layer.to(self.device, self.dtype)
+        jobs = self.jobs
         fp_jobs = [j for j in jobs if j.propagate == "fp"]
         fp_outs, fp_feats = None, {}
         if fp_jobs:
-            names = feature_names if any(j.wants_features for j in fp_jobs) else []
-            fp_outs, fp_feats = forward_with_features(layer, inputs, kwargs, names)
+            fp_outs, fp_feats = self._fp_forward(i, layer, self.names if any(j.wants_features for j in fp_jobs) else [])
         for n, job in enumerate(jobs):
             tj = time.perf_counter()
-            own = chains.get(id(job), inputs)
+            if next(layer.parameters()).dtype != self.dtype:  # an earlier job's chain upcast the pass
+                layer.to(self.device, self.dtype)
             feats: dict[str, torch.Tensor] = {}
             if job.wants_features and job.propagate == "fp":
                 last_user = all(not (j.wants_features and j.propagate == "fp") for j in jobs[n + 1 :])
                 feats = fp_feats if last_user else {k: t.clone() for k, t in fp_feats.items()}
             elif job.wants_features:
-                _, feats = forward_with_features(layer, own, kwargs, feature_names)
+                _, feats = forward_with_features(layer, self.chains[n], self.kwargs, self.names)
             work = layer if len(jobs) == 1 else copy.deepcopy(layer)
-            job.process(LayerData(i, work, own, kwargs, feats))
+            job.process(LayerData(i, work, self.chains.get(n, self.inputs), self.kwargs, feats))
             del feats
             if job.propagate == "quantized":
-                chains[id(job)] = layer_forward(work, own, kwargs)
+                self._advance_chain(i, n, work)
             job.keep(i, work)
             del work
             job.seconds += time.perf_counter() - tj
         del fp_feats
         layer.to("cpu", storage_dtype)
         if fp_outs is not None:
-            inputs = fp_outs
-        done, total = i + 1, len(layers)
-        eta = (time.perf_counter() - start) / done * (total - done)
-        log.info("layer %d/%d done in %.1f s (eta %.0f s)", done, total, time.perf_counter() - t0, eta)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            self.inputs = fp_outs
+
+    def _advance_chain(self, i: int, n: int, work: nn.Module) -> None:
+        outs = layer_forward(work, self.chains[n], self.kwargs)
+        if not _finite(outs):
+            self._upcast(f"decoder layer {i + 1} (quantized, job {n + 1}): NaN/inf in its outputs")
+            work.to(self.device, torch.float32)
+            outs = layer_forward(work, self.chains[n], self.kwargs)
+            if not _finite(outs):
+                self._upcast(f"decoder layer {i + 1} (quantized, job {n + 1}): NaN/inf in its outputs")
+        self.chains[n] = outs

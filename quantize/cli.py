@@ -11,6 +11,7 @@ import torch
 
 from .arch import UnsupportedArchitecture
 from .calib import CalibrationError
+from .capture import NumericalError
 from .export import DiskFullError, OutputExistsError
 from .lock import OutputLockedError
 from .preflight import PreflightError
@@ -22,7 +23,7 @@ from .source import ModelSourceError
 # and keeps its traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (RecipeError, PreflightError, ModelSourceError, CalibrationError,
                                                 UnsupportedArchitecture, OutputExistsError, FileNotFoundError,
-                                                RegistryError, OutputLockedError, DiskFullError)
+                                                RegistryError, OutputLockedError, DiskFullError, NumericalError)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ the exported artifact computes. `convert` is the set of full module names the pr
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ import torch.nn as nn
 
 from . import awq, gptq
 from .arch import Arch, active_scale_groups, layer_prefix
-from .capture import LayerData, layer_forward
+from .capture import LayerData, NumericalError, layer_forward
 from .primitives import dequantize, quantize_for_export
 
 log = logging.getLogger(__name__)
@@ -194,6 +195,11 @@ class Job:
         else:
             _round_to_nearest(data.layer, _local(arch, data.index, self.convert), _spec(r), self.scale_dtype,
                               layer_prefix(arch, data.index), self.results)
+        prefix = layer_prefix(arch, data.index) + "."
+        for name, res in self.results.items():
+            if name.startswith(prefix) and not bool(torch.isfinite(res.scales).all()):
+                raise NumericalError(f"{name}: {r.method} produced NaN/inf scales (the weights or their "
+                                     f"calibration inputs overflow in {res.scales.dtype}); try compute_dtype: float32")
 
     def keep(self, index: int, layer: nn.Module) -> None:
         prefix = layer_prefix(self.arch, index)
@@ -201,6 +207,39 @@ class Job:
             full = f"{prefix}.{name}"
             if full.removesuffix(".weight") not in self.results:
                 self.overrides[full] = t.detach().to("cpu", copy=True)
+
+
+    def _in(self, name: str, lo: int, hi: int) -> bool:
+        return any(name.startswith(layer_prefix(self.arch, i) + ".") for i in range(lo, hi))
+
+    def snapshot(self, lo: int, hi: int) -> dict:
+        """What this job produced for layers [lo, hi), as plain tensors (for `checkpoint`, weights_only loads)."""
+        return {"results": {k: {"codes": _nibbles(r.codes), "scales": r.scales, "zeros": r.zeros}
+                            for k, r in self.results.items() if self._in(k, lo, hi)},
+                "overrides": {k: t for k, t in self.overrides.items() if self._in(k, lo, hi)},
+                "stats": json.dumps({i: self.stats[i] for i in range(lo, hi) if i in self.stats}),
+                "seconds": self.seconds}
+
+    def restore(self, snap: dict) -> None:
+        self.results.update({k: QuantResult(_from_nibbles(r["codes"]), r["scales"], r["zeros"])
+                             for k, r in snap["results"].items()})
+        self.overrides.update(snap["overrides"])
+        self.stats.update({int(i): v for i, v in json.loads(snap["stats"]).items()})
+        self.seconds = snap["seconds"]
+
+
+def _nibbles(codes: torch.Tensor) -> dict:
+    """uint8 codes [out, in] < 16 -> two per byte [out, in / 2] (halves a checkpoint); others unchanged."""
+    if codes.shape[-1] % 2 or int(codes.max()) > 15:
+        return {"raw": codes}
+    return {"nibbles": codes[:, 0::2] | (codes[:, 1::2] << 4)}
+
+
+def _from_nibbles(d: dict) -> torch.Tensor:
+    if "raw" in d:
+        return d["raw"]
+    p = d["nibbles"]
+    return torch.stack([p & 0xF, p >> 4], dim=-1).reshape(p.shape[0], -1)  # [out, in / 2, 2] -> [out, in]
 
 
 def feature_names(arch: Arch) -> list[str]:

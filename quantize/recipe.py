@@ -127,6 +127,9 @@ class Recipe(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     batch_size: int = Field(8, gt=0)  # calibration samples per forward
     max_shard_size: str = "4GB"
+    # per-layer checkpoints (resume after a crash or kill): saved after a layer once this many seconds have
+    # passed since the last save; 0 = after every layer; null = never
+    checkpoint_every_s: float | None = Field(30.0, ge=0)
     trust_remote_code: bool = False
 
     @field_validator("q_group_size")

@@ -18,6 +18,7 @@ import torch
 from . import calib, export, modelcard, source
 from .arch import Arch, arch_for
 from .capture import run_shared
+from .checkpoint import Checkpointer, fingerprint
 from .engine import Job, feature_names, is_skipped
 from .pack import pack_all
 from .lock import output_lock
@@ -121,7 +122,7 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
         arch = arch_for(config)
         plans = [_plan_and_log(r, config, arch) for r in recipes]
         copied = sum((src.path / f).stat().st_size for f in source.TOKENIZER_FILES if (src.path / f).is_file())
-        free = check_free_disk(outs[0], sum(p.tensor_bytes + copied for p in plans))
+        free = check_free_disk(outs[0], sum(p.tensor_bytes + copied for p in plans) + _checkpoint_bytes(recipes, config, plans))
         device = pick_device(first)
         compute_dtype = pick_compute_dtype(first, device)
         log.info("pre-flight: %s free on the output's disk; computing on %s in %s", human_bytes(free), device,
@@ -131,6 +132,17 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
         with timings.stage("calibrate"):
             checked.samples, checked.calib_record = _calibration(first, src)
     return checked
+
+
+def _checkpoint_bytes(recipes: list[Recipe], config, plans: list[Plan]) -> int:
+    """Estimate of a checkpoint's peak size: carried activations (float32, per chain) + the codes, scales and
+    zeros so far (at most about the artifacts' own size); it lives until the artifacts are written."""
+    r = recipes[0]
+    if r.checkpoint_every_s is None or all(x.method == "rtn" for x in recipes):
+        return 0
+    chains = 1 + sum(x.method == "gptq" or x.awq.propagate == "quantized" for x in recipes)
+    return r.calibration.n_samples * r.calibration.seq_len * config.hidden_size * 4 * chains + \
+        sum(p.tensor_bytes for p in plans)
 
 
 def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False) -> str:
@@ -184,18 +196,36 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool) -> list[Path
         model = source.load_model(pf.src, storage_dtype, first.trust_remote_code)
         tied = _tied(model)
     jobs = [Job(r, pf.arch, set(p.convert), dtype) for r, p in zip(recipes, pf.plans)]
+    ckpt = _checkpointer(recipes, outs[0], pf)
     with timings.stage("quantize"):
-        run_shared(model, pf.arch, pf.samples, device, compute_dtype, first.batch_size, feature_names(pf.arch), jobs)
+        numerics = run_shared(model, pf.arch, pf.samples, device, compute_dtype, first.batch_size,
+                              feature_names(pf.arch), jobs, ckpt)
     shared = {"variants": [r.name for r in recipes], "pass_s": timings.stages["quantize"],
               "per_variant_s": {j.recipe.name: round(j.seconds, 3) for j in jobs}} if len(jobs) > 1 else None
     context = dict(src=pf.src, config=pf.config, tied=tied, device=device, compute_dtype=compute_dtype,
-                   storage_dtype=storage_dtype, dtype=dtype, calib_record=pf.calib_record, shared=shared)
+                   storage_dtype=storage_dtype, dtype=dtype, calib_record=pf.calib_record, shared=shared,
+                   numerics=numerics)
     for job, the_plan, out in zip(jobs, pf.plans, outs):
         stages = dict(timings.stages)
         if shared:
             stages["quantize"] = round(job.seconds, 3)
         _export(job, the_plan, out, model, stages, force, **context)
+    if ckpt is not None:
+        ckpt.clear()  # every artifact is in place
     return outs
+
+
+def _checkpointer(recipes: list[Recipe], first_out: Path, pf: Checked) -> Checkpointer | None:
+    """Per-layer checkpoints in `<out_root>/.<name>.checkpoint/`, keyed by everything that fixes the results."""
+    every = recipes[0].checkpoint_every_s
+    if every is None:
+        return None
+    key = fingerprint({"recipes": [{k: v for k, v in r.to_dict().items() if k != "checkpoint_every_s"}
+                                   for r in recipes],
+                       "calibration": pf.calib_record, "model": [pf.src.spec, str(pf.src.path), pf.src.origin_sha256],
+                       "config": pf.config.to_dict(), "device": str(pf.device), "compute": str(pf.compute_dtype),
+                       "versions": _versions(), "commit": git_commit()["commit"]})
+    return Checkpointer(first_out.parent / f".{first_out.name}.checkpoint", key, every)
 
 
 def _plan_and_log(recipe: Recipe, config, arch):
@@ -225,7 +255,7 @@ def _calibration(recipe: Recipe, src: source.ModelSource) -> tuple[torch.Tensor,
 
 
 def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, *, src, config, tied, device,
-            compute_dtype, storage_dtype, dtype, calib_record, shared) -> None:
+            compute_dtype, storage_dtype, dtype, calib_record, shared, numerics) -> None:
     """Pack one job's results and write its artifact directory atomically (timed into its manifest)."""
     recipe = job.recipe
     t0 = time.perf_counter()
@@ -249,7 +279,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, *, 
             "quantized_modules": len(job.results),
             "unconverted": sorted(n.removesuffix(".weight") for n in tensors if n.endswith(".weight")),
             "copied_unchanged": copied,
-            "notes": _notes(tied, storage_dtype, dtype),
+            "notes": _notes(tied, storage_dtype, dtype) + numerics,
             "skipped_linears": the_plan.skipped,
             "tensor_parallel_sizes": the_plan.tp_sizes,
             f"{recipe.method}_stats": {str(k): v for k, v in job.stats.items()},

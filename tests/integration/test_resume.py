@@ -1,0 +1,96 @@
+"""Per-layer checkpoints: a run killed with SIGKILL mid-pass resumes at its last saved layer and writes the
+same bytes as an uninterrupted run; a checkpoint of a different run is discarded, never mixed in."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quantize import runner
+from quantize.capture import LayerData
+from tests.conftest import build_tiny_model, tiny_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+N_LAYERS = 8
+
+
+@pytest.fixture(scope="module")
+def deep_qwen2(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("deep"), "qwen2", layers=N_LAYERS)
+
+
+def _cmd(recipe: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "quantize", "run", str(recipe), "--out", str(out), "--no-eval"]
+
+
+def _env() -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_killed_run_resumes_and_writes_identical_files(deep_qwen2, tmp_path, method):
+    over = dict(method="gptq", zero_point=False) if method == "gptq" else {}
+    recipe = tiny_recipe(tmp_path, deep_qwen2, name=f"resume-{method}", checkpoint_every_s=0,
+                         calibration=dict(dataset="pileval", n_samples=32, seq_len=128, seed=0), **over)
+    ref = subprocess.run(_cmd(recipe, tmp_path / "ref"), env=_env(), cwd=ROOT, capture_output=True, text=True)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(_cmd(recipe, out), env=_env(), cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:  # a real SIGKILL right after the third layer's checkpoint
+        seen.append(line)
+        if "checkpoint: layers 1-3 saved" in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "".join(seen[-20:])
+    ckpt = out / f".resume-{method}.checkpoint"
+    assert not (out / f"resume-{method}").exists() and (ckpt / "state.json").is_file()
+    assert json.loads((ckpt / "state.json").read_text())["next_layer"] >= 3
+
+    again = subprocess.run(_cmd(recipe, out), env=_env(), cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming from checkpoint" in again.stderr and f"layer 1/{N_LAYERS} done" not in again.stderr
+    a, b = _files(tmp_path / "ref" / f"resume-{method}"), _files(out / f"resume-{method}")
+    assert a.keys() == b.keys()
+    differ = [n for n in a if a[n] != b[n]]
+    assert differ == ["manifest.json"], differ  # only timings differ; every weight/config/card byte is equal
+    ma, mb = json.loads(a["manifest.json"]), json.loads(b["manifest.json"])
+    assert ma["files"] == mb["files"] and ma[f"{method}_stats"] == mb[f"{method}_stats"]
+    assert not ckpt.exists()  # cleared once the artifact is in place
+
+
+def test_checkpoint_of_another_run_is_discarded(deep_qwen2, tmp_path, monkeypatch, caplog):
+    """Crash (fault injection) after layer 4 of one recipe, then change the recipe: the stale checkpoint must be
+    discarded and the result equal a clean run of the changed recipe."""
+    from quantize import engine
+
+    first = tiny_recipe(tmp_path, deep_qwen2, name="ck", checkpoint_every_s=0)
+    real = engine.Job.process
+
+    def crash_at_5(self, data: LayerData):
+        if data.index == 4:
+            raise RuntimeError("injected crash")
+        return real(self, data)
+
+    monkeypatch.setattr(engine.Job, "process", crash_at_5)
+    with pytest.raises(RuntimeError, match="injected crash"):
+        runner.run(first, out_root=tmp_path / "o")
+    assert json.loads((tmp_path / "o" / ".ck.checkpoint" / "state.json").read_text())["next_layer"] == 4
+    monkeypatch.setattr(engine.Job, "process", real)
+
+    changed = tiny_recipe(tmp_path, deep_qwen2, name="ck", checkpoint_every_s=0, awq=dict(n_grid=5, clip_grid=5))
+    with caplog.at_level("WARNING"):
+        got = runner.run(changed, out_root=tmp_path / "o")
+    assert "belongs to a different run" in caplog.text
+    clean = runner.run(changed, out_root=tmp_path / "clean")
+    assert (got / "model.safetensors").read_bytes() == (clean / "model.safetensors").read_bytes()
