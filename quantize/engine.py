@@ -137,7 +137,7 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
     stages = arch.sequential if opts.true_sequential else (tuple(arch.linears),)
     feature_of = _feature_of(arch)
     spec = gptq.GptqSpec(recipe.w_bit, recipe.q_group_size, not recipe.zero_point, opts.block_size,
-                         opts.damp_percent, opts.act_order, scale_dtype)
+                         opts.damp_percent, opts.act_order, scale_dtype, opts.kernel)
     stats: dict = {}
     for stage in stages:
         names = [n for n in stage if n in local]
@@ -152,11 +152,16 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
         finally:
             for h in handles:
                 h.remove()
-        for n in names:
-            fc = layer.get_submodule(n)
-            r = gptq.gptq_quantize(fc.weight.data, accs[feature_of[n]].H, spec)
-            _store(layer, n, layer_prefix(arch, data.index), r.codes, r.scales.to(scale_dtype), r.zeros, results)
-            stats[n] = {"loss": r.loss, "damp": r.damp_used, "dead_columns": r.dead_columns}
+        for key in keys:  # linears sharing one Hessian: one sweep over their row-concatenated weights
+            shared = [n for n in names if feature_of[n] == key]
+            weights = [layer.get_submodule(n).weight.data for n in shared]
+            r = gptq.gptq_quantize(torch.cat(weights), accs[key].H, spec)
+            rows = [w.shape[0] for w in weights]
+            parts = zip(*([p.clone() for p in t.split(rows)] for t in (r.codes, r.scales, r.zeros, r.row_loss)))
+            for n, (codes, scales, zeros, row_loss) in zip(shared, parts):
+                _store(layer, n, layer_prefix(arch, data.index), codes, scales.to(scale_dtype), zeros, results)
+                stats[n] = {"loss": row_loss.sum().item(), "damp": r.damp_used, "dead_columns": r.dead_columns,
+                            "kernel": r.kernel}
     return stats
 
 

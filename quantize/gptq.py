@@ -20,6 +20,7 @@ Dead inputs (diag H = 0: never activated) get H[i, i] = 1 and W[:, i] = 0.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,11 +39,12 @@ class GptqSpec:
     damp: float = 0.01
     act_order: bool = False
     scale_dtype: torch.dtype = torch.float32  # scales are rounded to the stored dtype before codes are chosen
+    kernel: str = "auto"  # in-block column sweep: torch | triton | auto (triton on CUDA when it imports)
 
 
 @dataclass
 class GptqResult:
-    """codes [out, in] uint8; scales [out, n_group] fp32; zeros [out, n_group] int32; stats."""
+    """codes [out, in] uint8; scales [out, n_group] fp32; zeros [out, n_group] int32; row_loss [out]; stats."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -50,6 +52,8 @@ class GptqResult:
     loss: float
     damp_used: float
     dead_columns: int
+    row_loss: torch.Tensor
+    kernel: str  # which sweep ran: torch | triton
 
 
 class HessianAccumulator:
@@ -93,55 +97,113 @@ def _qp(w: torch.Tensor, spec: GptqSpec) -> tuple[torch.Tensor, torch.Tensor]:
     return s[:, 0].to(spec.scale_dtype).float(), z[:, 0]
 
 
+def _static_qparams(W: torch.Tensor, g: int, spec: GptqSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """W: [out, in] -> scales [out, in // g] (rounded to spec.scale_dtype), zeros [out, in // g]."""
+    s, z = qparams(W, spec.w_bit, g, zero_point=not spec.sym)
+    return s.to(spec.scale_dtype).float(), z
+
+
+def _choose_kernel(spec: GptqSpec, W: torch.Tensor) -> str:
+    """The sweep to run: spec.kernel, with `auto` = triton when W is on CUDA and triton imports, else torch."""
+    if spec.kernel == "torch":
+        return "torch"
+    if spec.kernel not in ("auto", "triton"):
+        raise ValueError(f"gptq kernel {spec.kernel!r} is unknown; use auto, torch or triton")
+    interpret = spec.kernel == "triton" and os.environ.get("TRITON_INTERPRET") == "1"  # CPU emulation, for tests
+    if W.device.type != "cuda" and not interpret:
+        why = f"the tensors are on {W.device.type}; the Triton kernel needs CUDA (or TRITON_INTERPRET=1)"
+    else:
+        try:
+            from . import gptq_triton  # noqa: F401  (imports triton)
+
+            return "triton"
+        except ImportError as e:
+            why = f"triton does not import ({e})"
+    if spec.kernel == "triton":
+        raise RuntimeError(f"gptq.kernel triton was asked for but cannot run: {why}; set gptq.kernel: torch or auto")
+    return "torch"
+
+
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: GptqSpec) -> GptqResult:
-    """W: [out, in], H: [in, in] -> codes [out, in], scales/zeros [out, in // g] (or [out, 1] for g = -1)."""
-    W = W.float().clone()
-    H = H.float().clone()
+    """W: [out, in], H: [in, in] -> codes [out, in], scales/zeros [out, in // g] (or [out, 1] for g = -1).
+
+    Rows are independent given H: quantizing a row-concatenation of linears that share H gives exactly
+    the codes of separate calls (one sweep instead of several).
+    """
+    W = W.to(torch.float32, copy=True)
+    H = H.to(torch.float32, copy=True)
     out_f, in_f = W.shape
     g = in_f if spec.group == -1 else spec.group
     assert in_f % g == 0 and (spec.block_size % g == 0 or g % spec.block_size == 0 or spec.group == -1)
-    n_group = in_f // g
-    max_q = 2**spec.w_bit - 1
 
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
 
-    scales = torch.zeros(out_f, n_group, device=W.device)
-    zeros = torch.zeros(out_f, n_group, dtype=torch.int32, device=W.device)
     if spec.act_order:  # static groups: parameters from the original weights, before any update
-        for j in range(n_group):
-            scales[:, j], zeros[:, j] = _qp(W[:, j * g : (j + 1) * g], spec)
+        scales, zeros = _static_qparams(W, g, spec)
         perm = torch.argsort(torch.diag(H), descending=True)
-    else:
+    else:  # filled in during the sweep, from the updated weights
+        scales = torch.zeros(out_f, in_f // g, device=W.device)
+        zeros = torch.zeros(out_f, in_f // g, dtype=torch.int32, device=W.device)
         perm = torch.arange(in_f, device=W.device)
+    gidx = [int(c) // g for c in perm.tolist()]  # group of each visited column (one host copy, not one per column)
     W = W[:, perm]  # [out, in] in visiting order
     H = H[perm][:, perm]
     Hinv, lam = _inverse_cholesky(H, spec.damp)
 
-    codes = torch.zeros(out_f, in_f, dtype=torch.uint8, device=W.device)  # in visiting order
-    losses = torch.zeros(out_f, device=W.device)
+    kernel = _choose_kernel(spec, W)
+    if kernel == "triton":
+        from .gptq_triton import sweep_triton as sweep
+    else:
+        sweep = _sweep_torch
+    codes, row_loss = sweep(W, Hinv, scales, zeros, gidx, g, spec)  # codes in visiting order
+    inv = torch.argsort(perm)
+    return GptqResult(codes[:, inv].contiguous(), scales, zeros, row_loss.sum().item(), lam, int(dead.sum()),
+                      row_loss, kernel)
+
+
+def _block_start_qparams(W: torch.Tensor, i1: int, g: int, gidx: list[int], scales, zeros, spec: GptqSpec) -> bool:
+    """Without act-order and g >= block: a group starting at block start i1 gets its (scale, zero) from the
+    updated W[:, i1 : i1 + g] (every earlier block's lazy update applied) -> True when it did."""
+    if spec.act_order or i1 % g:
+        return False
+    j = gidx[i1]
+    scales[:, j], zeros[:, j] = _qp(W[:, i1 : i1 + g], spec)
+    return True
+
+
+def _sweep_torch(W: torch.Tensor, Hinv: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 gidx: list[int], g: int, spec: GptqSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The column sweep with torch ops. W: [out, in] (visiting order, updated in place), Hinv: [in, in] upper.
+
+    scales/zeros [out, n_group] are read (act-order) or filled in (otherwise) -> codes [out, in] uint8 in
+    visiting order, row_loss [out] = Σ_i err_i² / 2.
+    """
+    out_f, in_f = W.shape
+    max_q = 2**spec.w_bit - 1
+    codes = torch.zeros(out_f, in_f, dtype=torch.uint8, device=W.device)
+    row_loss = torch.zeros(out_f, device=W.device)
     for i1 in range(0, in_f, spec.block_size):
         i2 = min(i1 + spec.block_size, in_f)
+        if g >= i2 - i1:
+            _block_start_qparams(W, i1, g, gidx, scales, zeros, spec)
         W1 = W[:, i1:i2].clone()  # [out, b]
+        Q1 = torch.zeros_like(W1)
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            col = int(perm[i1 + i])
-            j = col // g
-            if not spec.act_order and (i1 + i) % g == 0:
-                # the group's columns from here on, with every update so far (all inside W1 when g <= block)
-                span = W1[:, i : i + g] if i + g <= W1.shape[1] else W[:, i1 + i : i1 + i + g]
-                scales[:, j], zeros[:, j] = _qp(span, spec)
+            j = gidx[i1 + i]
+            if not spec.act_order and g < i2 - i1 and i % g == 0:  # group inside the block: updated columns
+                scales[:, j], zeros[:, j] = _qp(W1[:, i : i + g], spec)
+            s, z = scales[:, j], zeros[:, j]
             w = W1[:, i]
-            d = Hinv1[i, i]
-            q = torch.clamp(torch.round(w / scales[:, j]) + zeros[:, j], 0, max_q)
-            codes[:, i1 + i] = q.to(torch.uint8)
-            dq = (q - zeros[:, j]) * scales[:, j]
-            losses += (w - dq) ** 2 / d**2 / 2
-            err = (w - dq) / d
-            W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
+            q = torch.clamp(torch.round(w / s) + z, 0, max_q)
+            Q1[:, i] = q
+            err = (w - (q - z) * s) / Hinv1[i, i]
+            W1[:, i + 1 :] -= err.unsqueeze(1) * Hinv1[i, i + 1 :]
             Err1[:, i] = err
+        codes[:, i1:i2] = Q1.to(torch.uint8)
+        row_loss += Err1.pow(2).sum(dim=1) / 2
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-    inv = torch.argsort(perm)
-    return GptqResult(codes[:, inv].contiguous(), scales, zeros, losses.sum().item(), lam, int(dead.sum()))
+    return codes, row_loss

@@ -70,6 +70,7 @@ class GptqOptions(_Strict):
     act_order: bool = True  # static: columns by descending diag(H), groups kept contiguous
     true_sequential: bool = True  # q/k/v, then o, then gate/up, then down, each on quantized predecessors
     block_size: int = Field(128, gt=0)  # lazy-batch width of the column sweep
+    kernel: Literal["auto", "torch", "triton"] = "auto"  # column sweep; auto = triton on CUDA when it imports
 
 
 class PerplexityOptions(_Strict):

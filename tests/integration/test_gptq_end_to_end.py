@@ -39,6 +39,9 @@ def test_gptq_layout(gptq_artifacts):
         assert st.get_tensor(f"{q}.g_idx").tolist() == [i // 64 for i in range(512)]
     pre = json.loads((out / "preflight.json").read_text())
     assert len(pre["convert"]) == 14 and pre["layers"][0]["cuda_kernel"] == "gptq_marlin"
+    stats = json.loads((out / "manifest.json").read_text())["gptq_stats"]
+    per_linear = [s for layer in stats.values() for s in layer.values()]
+    assert len(per_linear) == 14 and all(s["kernel"] == "torch" and s["loss"] > 0 for s in per_linear)  # CPU
 
 
 def test_gptq_beats_rtn_on_tiny(gptq_artifacts, tiny_llama, tmp_path):

@@ -73,3 +73,99 @@ def test_scale_dtype_rounding():
     w, _, acc = _data()
     r = gptq.gptq_quantize(w, acc.H, gptq.GptqSpec(4, 32, True, scale_dtype=torch.float16))
     assert torch.equal(r.scales, r.scales.half().float())
+
+
+def _reference_gptq(W, H, spec):
+    """The textbook per-column GPTQ sweep (the implementation before the batched/Triton sweeps), kept as the
+    oracle: codes, scales and zeros of `gptq_quantize` must equal it exactly."""
+    W, H = W.float().clone(), H.float().clone()
+    out_f, in_f = W.shape
+    g = in_f if spec.group == -1 else spec.group
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    scales = torch.zeros(out_f, in_f // g)
+    zeros = torch.zeros(out_f, in_f // g, dtype=torch.int32)
+    if spec.act_order:
+        for j in range(in_f // g):
+            scales[:, j], zeros[:, j] = gptq._qp(W[:, j * g:(j + 1) * g], spec)
+        perm = torch.argsort(torch.diag(H), descending=True)
+    else:
+        perm = torch.arange(in_f)
+    W, H = W[:, perm], H[perm][:, perm]
+    Hinv, _ = gptq._inverse_cholesky(H, spec.damp)
+    codes = torch.zeros(out_f, in_f, dtype=torch.uint8)
+    for i1 in range(0, in_f, spec.block_size):
+        i2 = min(i1 + spec.block_size, in_f)
+        W1, Err1, Hinv1 = W[:, i1:i2].clone(), torch.zeros(out_f, i2 - i1), Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            j = int(perm[i1 + i]) // g
+            if not spec.act_order and (i1 + i) % g == 0:
+                span = W1[:, i:i + g] if i + g <= W1.shape[1] else W[:, i1 + i:i1 + i + g]
+                scales[:, j], zeros[:, j] = gptq._qp(span, spec)
+            w = W1[:, i]
+            q = torch.clamp(torch.round(w / scales[:, j]) + zeros[:, j], 0, 2**spec.w_bit - 1)
+            codes[:, i1 + i] = q.to(torch.uint8)
+            err = (w - (q - zeros[:, j]) * scales[:, j]) / Hinv1[i, i]
+            W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    return codes[:, torch.argsort(perm)], scales, zeros
+
+
+# (act_order, sym, group, block_size, scale_dtype): groups inside, equal to, and wider than a block, per-channel
+SWEEP_CASES = [
+    (False, True, 32, 64, torch.float32), (False, False, 32, 64, torch.bfloat16), (False, True, 64, 64, torch.float16),
+    (False, False, 128, 64, torch.float16), (False, True, -1, 64, torch.float32), (False, False, -1, 64, torch.float16),
+    (True, True, 32, 64, torch.float16), (True, False, 64, 64, torch.bfloat16), (True, True, -1, 64, torch.float32),
+    (False, False, 16, 48, torch.float16),  # block not a power of two, partial last block
+]
+
+
+def _case_data(case, out_f=12, in_f=256, seed=0):
+    w, _, acc = _data(out_f=out_f, in_f=in_f, seed=seed)
+    H = acc.H.clone()
+    H[7, :] = 0  # one dead input
+    H[:, 7] = 0
+    act_order, sym, group, block, scale_dtype = case
+    return w, H, gptq.GptqSpec(4, group, sym, block, act_order=act_order, scale_dtype=scale_dtype)
+
+
+@pytest.mark.parametrize("case", SWEEP_CASES)
+def test_torch_sweep_equals_reference(case):
+    w, H, spec = _case_data(case)
+    r = gptq.gptq_quantize(w, H, spec)
+    codes, scales, zeros = _reference_gptq(w, H, spec)
+    assert r.kernel == "torch"
+    assert torch.equal(r.codes, codes) and torch.equal(r.scales, scales) and torch.equal(r.zeros, zeros)
+    assert r.loss == pytest.approx(r.row_loss.sum().item()) and r.row_loss.shape == (12,)
+
+
+@pytest.mark.parametrize("case", [c for c in SWEEP_CASES if c[3] == 64 and c[2] in (32, -1)])
+def test_row_concatenation_equals_separate_calls(case):
+    # linears sharing a Hessian (q/k/v, gate/up) are quantized in one call over their stacked rows
+    w, H, spec = _case_data(case, out_f=20)
+    parts = w.split([8, 4, 8])
+    together = gptq.gptq_quantize(w, H, spec)
+    rows = 0
+    for p in parts:
+        alone = gptq.gptq_quantize(p, H, spec)
+        sl = slice(rows, rows + p.shape[0])
+        assert torch.equal(together.codes[sl], alone.codes)
+        assert torch.equal(together.scales[sl], alone.scales) and torch.equal(together.zeros[sl], alone.zeros)
+        assert torch.allclose(together.row_loss[sl], alone.row_loss, rtol=1e-5)
+        rows += p.shape[0]
+
+
+def test_kernel_choice_on_cpu(monkeypatch):
+    w, H, spec = _case_data(SWEEP_CASES[0])
+    assert gptq.gptq_quantize(w, H, spec).kernel == "torch"  # auto on CPU
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="needs CUDA.*gptq.kernel: torch"):
+        gptq.gptq_quantize(w, H, gptq.GptqSpec(4, 32, True, 64, kernel="triton"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(__import__("sys").modules, "quantize.gptq_triton", None)  # as if triton were missing
+    with pytest.raises(RuntimeError, match="triton does not import"):
+        gptq.gptq_quantize(w, H, gptq.GptqSpec(4, 32, True, 64, kernel="triton"))
+    with pytest.raises(ValueError, match="unknown"):
+        gptq.gptq_quantize(w, H, gptq.GptqSpec(4, 32, True, 64, kernel="cuda"))

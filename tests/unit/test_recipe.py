@@ -141,3 +141,13 @@ def test_preflight_on_real_shapes():
     q72 = read_config(ModelSource("x", cfgs / "qwen2.5-72b", "dir"))
     p72 = plan(q72, arch_for(q72), load_recipe("qwen7b-awq-g128"), is_skipped)
     assert p72.tp_sizes == [1]  # down_proj 29568 = 128 x 231: any split leaves a partial group of 128
+
+
+def test_gptq_kernel_option(tmp_path):
+    ok = write_recipe(tmp_path / "k.yaml", **{**BASE, "name": "k", "method": "gptq", "zero_point": False,
+                                              "gptq": {"kernel": "torch"}})
+    assert load_recipe(ok).gptq.kernel == "torch"
+    assert load_recipe(write_recipe(tmp_path / "r.yaml", **{**BASE, "method": "gptq", "zero_point": False})).gptq.kernel \
+        == "auto"
+    msg = _err(tmp_path, method="gptq", zero_point=False, gptq={"kernel": "cuda"})
+    assert "gptq.kernel" in msg and "'triton'" in msg
