@@ -64,12 +64,24 @@ class HessianAccumulator:
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).float()  # [tokens, in]
+        x = x.reshape(-1, x.shape[-1])  # [tokens, in]
         t = x.shape[0]
+        half = x.dtype in (torch.float16, torch.bfloat16)
+        x = x.float()
         self.H.mul_(self.n / (self.n + t))
         self.n += t
-        x = x * (2.0 / self.n) ** 0.5
-        self.H.addmm_(x.t(), x)
+        if x.is_cuda and half:
+            # fp16/bf16 values are exact in TF32 (10-bit mantissa), so a TF32 matmul multiplies them exactly and
+            # sums in fp32: the fp32 result at tensor-core speed (7x faster for down_proj's 18944² on an H200)
+            previous = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision("high")
+            try:
+                self.H.addmm_(x.t(), x, alpha=2.0 / self.n)
+            finally:
+                torch.set_float32_matmul_precision(previous)
+        else:
+            x = x * (2.0 / self.n) ** 0.5
+            self.H.addmm_(x.t(), x)
 
 
 def _inverse_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
@@ -78,11 +90,13 @@ def _inverse_cholesky(H: torch.Tensor, damp: float) -> tuple[torch.Tensor, float
     eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     lam = damp
     for _ in range(6):
-        L, info = torch.linalg.cholesky_ex(H + lam * mean_diag * eye)
+        # J·H·J = L·Lᵀ (J reverses the order)  =>  H⁻¹ = (J·L⁻¹·J)ᵀ (J·L⁻¹·J), and J·L⁻¹·J is upper triangular
+        # with a positive diagonal: it is the upper Cholesky factor of H⁻¹. One Cholesky and one triangular
+        # inverse instead of Cholesky, full inverse and a second Cholesky (about 2x less work).
+        L, info = torch.linalg.cholesky_ex((H + lam * mean_diag * eye).flip(0, 1))
         if info.item() == 0:
-            Hinv = torch.cholesky_inverse(L)
-            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
-            if info.item() == 0:
+            U = torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1)
+            if bool(torch.isfinite(U).all()):
                 if lam != damp:
                     log.warning("GPTQ: Hessian not positive definite with damp %.3g; used %.3g", damp, lam)
                 return U, lam
