@@ -130,7 +130,7 @@ class Recipe(_Strict):
     max_shard_size: str = "4GB"
     # per-layer checkpoints (resume after a crash or kill): saved after a layer once this many seconds have
     # passed since the last save; 0 = after every layer; null = never
-    checkpoint_every_s: float | None = Field(30.0, ge=0)
+    checkpoint_every_s: float | None = Field(120.0, ge=0)
     trust_remote_code: bool = False
 
     @field_validator("q_group_size")
