@@ -78,7 +78,8 @@ def _mlp_problem(seed, n=256, hidden=512, t=1024):
     with fewer, the search loss over α is too rough to say anything about real layers' thousands)."""
     torch.manual_seed(seed)
     x = _x(t=t, n=n, seed=seed)
-    gate, up, down = nn.Linear(n, hidden, bias=False), nn.Linear(n, hidden, bias=False), nn.Linear(hidden, n, bias=False)
+    gate, up = nn.Linear(n, hidden, bias=False), nn.Linear(n, hidden, bias=False)
+    down = nn.Linear(hidden, n, bias=False)
     return x, [gate, up], lambda xi: down(torch.nn.functional.silu(gate(xi)) * up(xi))
 
 
@@ -130,3 +131,17 @@ def test_apply_clip_clamps_groups():
     fc.weight.data = torch.linspace(-2, 2, 256).reshape(4, 64)
     awq.apply_clip(fc, torch.full((4, 2), 0.5))
     assert fc.weight.abs().max() <= 0.5
+
+
+def test_search_batches_seeded_subset_of_whole_batches():
+    from quantize.engine import _rows, search_batches
+
+    sizes = [4096] * 15 + [2048]  # 128 x 512 tokens in batches of 8, last one short
+    picked = search_batches(sizes, 16384, seed=0)
+    assert picked == sorted(set(picked)) and sum(sizes[i] for i in picked) >= 16384
+    assert sum(sizes[i] for i in picked) - max(sizes[i] for i in picked) < 16384  # no batch more than needed
+    assert picked == search_batches(sizes, 16384, seed=0) and picked != search_batches(sizes, 16384, seed=1)
+    assert search_batches(sizes, None, seed=0) == list(range(16)) == search_batches(sizes, 10**6, seed=0)
+    x = torch.arange(sum(sizes)).unsqueeze(1)  # [tokens, 1]: row i holds i
+    rows = _rows(x, sizes, [1, 15]).squeeze(1)
+    assert torch.equal(rows, torch.cat([torch.arange(4096, 8192), torch.arange(15 * 4096, 15 * 4096 + 2048)]))
