@@ -55,7 +55,7 @@ class AwqOptions(_Strict):
     """AWQ search settings (grid, clip and propagation defaults follow AutoAWQ 0.2.9).
 
     The search-cost options (search_tokens, coarse_step, grid_batch) are justified in docs/BENCHMARKS.md;
-    `search_tokens: null, coarse_step: 1` is AutoAWQ's exhaustive search over every calibration token.
+    `search_tokens: null` (with coarse_step 1) is AutoAWQ's exhaustive search over every calibration token.
     """
 
     n_grid: int = Field(20, gt=1)  # ratios α = i / n_grid, i = 0 .. n_grid - 1
@@ -67,7 +67,9 @@ class AwqOptions(_Strict):
     # grid loss measured on a seeded random subset of whole calibration batches holding at least this many
     # tokens (null = every token); mean|X| always uses every token
     search_tokens: int | None = Field(16384, gt=0)
-    coarse_step: int = Field(4, gt=0)  # 1 = every grid point; k > 1 = every k-th, then refine by halving steps
+    # 1 = every grid point; k > 1 = every k-th, then refine by halving steps (k=4 missed the grid minimum of
+    # attention groups, whose loss is not unimodal in α: +0.07 ppl on SmolLM2, see docs/BENCHMARKS.md)
+    coarse_step: int = Field(1, gt=0)
     grid_batch: int = Field(4, gt=0)  # candidates per matmul in single-linear groups (memory knob, exact)
 
     @model_validator(mode="after")

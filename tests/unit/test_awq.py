@@ -145,3 +145,14 @@ def test_search_batches_seeded_subset_of_whole_batches():
     x = torch.arange(sum(sizes)).unsqueeze(1)  # [tokens, 1]: row i holds i
     rows = _rows(x, sizes, [1, 15]).squeeze(1)
     assert torch.equal(rows, torch.cat([torch.arange(4096, 8192), torch.arange(15 * 4096, 15 * 4096 + 2048)]))
+
+
+def test_single_linear_loss_in_half_precision_picks_the_fp32_ratio():
+    """bf16 inputs take the direct X ΔWᵀ form; it chooses the same ratio as the fp32 Gram form."""
+    x = _x(t=1024, n=256)
+    fc = nn.Linear(256, 64, bias=False)
+    ref = awq.search_scales(x, [fc], [True], None, SPEC, n_grid=20)
+    fc_bf = nn.Linear(256, 64, bias=False, dtype=torch.bfloat16)
+    fc_bf.weight.data = fc.weight.data.to(torch.bfloat16)
+    bf = awq.search_scales(x.to(torch.bfloat16), [fc_bf], [True], None, SPEC, n_grid=20, grid_batch=4)
+    assert abs(bf.ratio - ref.ratio) <= 0.05 + 1e-9 and ref.losses[bf.ratio] <= 1.01 * ref.losses[ref.ratio]

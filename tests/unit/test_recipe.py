@@ -121,11 +121,11 @@ def test_preflight_on_real_shapes():
 def test_awq_search_options_defaults_round_trip():
     """The cheaper-search defaults survive to_dict -> Recipe, and the exhaustive search is expressible."""
     r = Recipe(name="x", **BASE)
-    assert (r.awq.search_tokens, r.awq.coarse_step, r.awq.grid_batch) == (16384, 4, 4)
+    assert (r.awq.search_tokens, r.awq.coarse_step, r.awq.grid_batch) == (16384, 1, 4)
     assert Recipe(**r.to_dict()) == r
-    exhaustive = Recipe(name="x", **BASE, awq=dict(search_tokens=None, coarse_step=1))
+    exhaustive = Recipe(name="x", **BASE, awq=dict(search_tokens=None, coarse_step=4))
     again = Recipe(**exhaustive.to_dict())
-    assert again.awq.search_tokens is None and again.awq.coarse_step == 1
+    assert again.awq.search_tokens is None and again.awq.coarse_step == 4
 
 
 def test_awq_coarse_step_must_be_below_n_grid(tmp_path):
