@@ -15,11 +15,17 @@ shrink that minimises the group-wise output error ‖X_g W_gᵀ − X_g Q(clip(W
 all tokens through the group Gram matrices X_gᵀX_g (AutoAWQ samples 512 tokens instead).
 For a group whose inspected block is the linear itself, the scale-search loss is likewise
 ‖X ΔWᵀ‖² = tr(ΔW XᵀX ΔWᵀ): no forward pass per grid point.
+
+Cheaper searches (recipe options, see docs/BENCHMARKS.md for what each costs in quality):
+- the loss may be measured on a subset of the calibration tokens (`x_loss`; the caller picks it), while
+  the statistic mean|X| always uses every token;
+- coarse-to-fine over α (`coarse_step`): a coarse grid, then halving steps around its best point;
+- single-linear groups evaluate several candidates in one matmul (`grid_batch`), exact.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,14 +41,66 @@ class QSpec:
     zero_point: bool
 
 
-def _mse_sum(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).pow(2).sum().item()
+def _duo_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, ratio: float, duo_scaling: bool) -> torch.Tensor:
+    """x_mean, w_mean: [in] -> s(α) [in], normalised so that max(s) · min(s) = 1."""
+    if duo_scaling:
+        s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
+    else:
+        s = x_mean.pow(ratio).clamp(min=1e-4)
+    return s / (s.max() * s.min()).sqrt()  # [in]
 
 
-def _gram_loss(w_hat: torch.Tensor, w: torch.Tensor, gram: torch.Tensor, n_tokens: int) -> float:
-    """mean over tokens and outputs of (x · (ŵ - w))², from gram = XᵀX [in, in]."""
-    delta = w_hat.float() - w.float()  # [out, in]
-    return ((delta @ gram) * delta).sum().item() / (n_tokens * w.shape[0])
+def _scaled_fake_quant(w: torch.Tensor, s: torch.Tensor, spec: QSpec) -> torch.Tensor:
+    """w: [out, in], s: [in] -> Q(w · diag(s)) · diag(s)^-1 [out, in] in w's dtype."""
+    scaled = w.float() * s.view(1, -1)  # [out, in]
+    return (fake_quant(scaled, spec.w_bit, spec.group, spec.zero_point) / s.view(1, -1)).to(w.dtype)
+
+
+def grid_order(n_grid: int, coarse_step: int) -> Iterator[list[int]]:
+    """Rounds of grid indices i (ratio α = i / n_grid) to evaluate; the caller sends back the best so far.
+
+    coarse_step <= 1: one round, the whole grid 0 .. n_grid-1 (AutoAWQ's search).
+    coarse_step = k > 1: every k-th index first, then around the best index b: b ± k/2, b ± k/4, ..., b ± 1
+    (halving, integer steps), skipping indices already evaluated. n_grid=20, k=4 evaluates 9 of 20 points
+    and finds the grid minimum whenever the loss is unimodal in α.
+    """
+    if coarse_step <= 1:
+        yield list(range(n_grid))
+        return
+    seen = set(range(0, n_grid, coarse_step))
+    best = yield sorted(seen)
+    h = coarse_step // 2
+    while h >= 1:
+        nxt = [i for i in (best - h, best + h) if 0 <= i < n_grid and i not in seen]
+        seen.update(nxt)
+        if nxt:
+            best = yield nxt
+        h //= 2
+
+
+@dataclass
+class ScaleSearch:
+    """Result of one scale search: scales [in] (fp32), the chosen ratio, and the loss per evaluated ratio."""
+
+    scales: torch.Tensor
+    ratio: float
+    losses: dict[float, float]  # α -> loss, in evaluation order; α = 0 (round-to-nearest) is always present
+
+
+def _linear_losses(deltas: torch.Tensor, x: torch.Tensor, gram: torch.Tensor | None) -> list[float]:
+    """deltas: [k, out, in] candidates Ŵ - W -> per candidate, mean over tokens and outputs of (x · Δw)².
+
+    gram = XᵀX [in, in] (fp32) when given, else the loss comes from x [tokens, in] directly, in x's dtype
+    (cheaper when tokens < in). All k candidates share one matmul.
+    """
+    k, out_f, in_f = deltas.shape
+    d = deltas.reshape(k * out_f, in_f)  # [k * out, in]
+    if gram is not None:
+        df = d.float()
+        per = ((df @ gram) * df).reshape(k, -1).sum(dim=1)  # [k]
+    else:
+        per = (x @ d.to(x.dtype).t()).float().pow(2).reshape(x.shape[0], k, out_f).sum(dim=(0, 2))  # [k]
+    return (per / (x.shape[0] * out_f)).tolist()
 
 
 def search_scales(
@@ -53,55 +111,75 @@ def search_scales(
     spec: QSpec,
     n_grid: int = 20,
     duo_scaling: bool = True,
-) -> tuple[torch.Tensor, list[float]]:
-    """x: [tokens, in] shared input of `linears` -> best scales [in] (fp32) and the loss per grid point.
+    coarse_step: int = 1,
+    x_loss: torch.Tensor | None = None,
+    grid_batch: int = 1,
+) -> ScaleSearch:
+    """x: [tokens, in] shared input of `linears` -> best scales [in] (fp32), ratio and losses.
 
-    `run_inspect()` runs the inspected module with the linears' *current* weights and returns its
-    outputs (a list of per-batch tensors). None means the inspected block is the single linear itself:
-    the loss is then computed from XᵀX without running it. Weights are restored before returning.
+    The statistics mean|X| use every row of x. The loss is measured on `x_loss` [tokens', in] (default x),
+    the rows `run_inspect` must run on when given. `run_inspect()` runs the inspected module with the
+    linears' *current* weights and returns its outputs (a list of per-batch tensors); its reference output
+    is computed once. None means the inspected block is the single linear itself: the loss then comes from
+    Δw XᵀX Δwᵀ (fp32) when x is fp32 and tokens' >= in, else from X Δwᵀ directly in x's dtype (half precision
+    runs ~15x faster than fp32 on a GPU), `grid_batch` candidates per matmul.
+    `coarse_step` (see grid_order) > 1 evaluates a coarse grid and refines around its best point.
+    Weights are restored before returning.
     """
-    x_mean = x.abs().float().mean(dim=0)  # [in]
-    w = torch.cat([fc.weight.detach().float() for fc in linears], dim=0)  # [sum_out, in]
-    wg = w.abs().reshape(-1, spec.group)  # [sum_out * in / g, g]
-    w_norm = (wg / (wg.amax(dim=1, keepdim=True) + 1e-6)).reshape(w.shape)  # [sum_out, in]
-    w_mean = w_norm.mean(dim=0)  # [in]
-
+    x_loss = x if x_loss is None else x_loss
+    x_mean = x.abs().mean(dim=0, dtype=torch.float32)  # [in]
+    w = torch.cat([fc.weight.detach() for fc in linears], dim=0)  # [sum_out, in]
+    wg = w.abs().float().reshape(-1, spec.group)  # [sum_out * in / g, g]
+    w_mean = (wg / (wg.amax(dim=1, keepdim=True) + 1e-6)).reshape(w.shape).mean(dim=0)  # [in]
+    del w, wg
     originals = [fc.weight.detach().clone() for fc in linears]
     if run_inspect is None:
-        assert len(linears) == 1, "the Gram-matrix loss needs a single linear"
-        xf = x.float()
-        gram = xf.t() @ xf  # [in, in]
-        loss_of = lambda: _gram_loss(linears[0].weight, originals[0], gram, x.shape[0])  # noqa: E731
+        assert len(linears) == 1, "the single-linear loss needs a single linear"
+        gram = None  # the Gram form pays only where the direct product would also run in fp32 (the CPU)
+        if x_loss.dtype == torch.float32 and x_loss.shape[0] >= x_loss.shape[1]:
+            gram = _gram(x_loss)  # [in, in]
+
+        def losses_of(cands: list[torch.Tensor]) -> list[float]:
+            out, w0 = [], originals[0]
+            for start in range(0, len(cands), grid_batch):
+                deltas = torch.stack([_scaled_fake_quant(w0, s, spec).float() - w0.float()
+                                      for s in cands[start : start + grid_batch]])  # [k, out, in]
+                out += _linear_losses(deltas, x_loss, gram)
+            return out
     else:
         reference = run_inspect()
         n_out = sum(r.numel() for r in reference)
-        loss_of = lambda: sum(_mse_sum(o, r) for o, r in zip(run_inspect(), reference)) / n_out  # noqa: E731
-    losses: list[float] = []
-    best, best_loss = None, float("inf")
+
+        def losses_of(cands: list[torch.Tensor]) -> list[float]:
+            out = []
+            for s in cands:
+                for fc, orig, q in zip(linears, originals, quantized):
+                    if q:
+                        fc.weight.data = _scaled_fake_quant(orig, s, spec)
+                err = sum((o.float() - r.float()).pow(2).sum() for o, r in zip(run_inspect(), reference))
+                out.append(err.item() / n_out)
+            return out
+
+    losses: dict[float, float] = {}
+    best_i, best_loss = None, float("inf")
+    rounds = grid_order(n_grid, coarse_step)
     try:
-        for i in range(n_grid):
-            ratio = i / n_grid
-            if duo_scaling:
-                s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
-            else:
-                s = x_mean.pow(ratio).clamp(min=1e-4)
-            s = s / (s.max() * s.min()).sqrt()  # [in]
-            for fc, orig, q in zip(linears, originals, quantized):
-                if q:
-                    scaled = orig.float() * s.view(1, -1)  # [out, in]
-                    fc.weight.data = (fake_quant(scaled, spec.w_bit, spec.group, spec.zero_point) / s.view(1, -1)).to(
-                        orig.dtype
-                    )
-            loss = loss_of()
-            losses.append(loss)
-            if loss < best_loss:
-                best, best_loss = s.clone(), loss
+        idx = next(rounds)
+        while True:
+            cands = [_duo_scales(x_mean, w_mean, i / n_grid, duo_scaling) for i in idx]
+            for i, loss in zip(idx, losses_of(cands)):
+                losses[i / n_grid] = loss
+                if loss < best_loss:
+                    best_i, best_loss = i, loss
+            idx = rounds.send(0 if best_i is None else best_i)
+    except StopIteration:
+        pass
     finally:
         for fc, orig in zip(linears, originals):
             fc.weight.data = orig
-    if best is None:  # every loss was NaN/inf
+    if best_i is None:  # every loss was NaN/inf
         raise FloatingPointError("AWQ scale search produced no finite loss (NaN/inf in activations or weights)")
-    return best, losses
+    return ScaleSearch(_duo_scales(x_mean, w_mean, best_i / n_grid, duo_scaling), best_i / n_grid, losses)
 
 
 def apply_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor) -> None:
@@ -118,11 +196,26 @@ def apply_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor)
             fc.weight.mul_(s.view(1, -1).to(fc.weight.dtype))
 
 
-def group_gram(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x: [tokens, in] -> per-group second moments [in // g, g, g] = X_gᵀ X_g / tokens (fp32)."""
+def _gram(x: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """x: [tokens, in] -> XᵀX [in, in] (fp32), accumulated over token chunks (no fp32 copy of all of x)."""
+    gram = torch.zeros(x.shape[1], x.shape[1], device=x.device, dtype=torch.float32)
+    for start in range(0, x.shape[0], chunk):
+        xf = x[start : start + chunk].float()  # [c, in]
+        gram.addmm_(xf.t(), xf)
+    return gram
+
+
+def group_gram(x: torch.Tensor, group: int, chunk: int = 8192) -> torch.Tensor:
+    """x: [tokens, in] -> per-group second moments [in // g, g, g] = X_gᵀ X_g / tokens (fp32).
+
+    Accumulated over chunks of `chunk` tokens, so peak memory stays at one chunk's fp32 copy.
+    """
     t, in_f = x.shape
-    xg = x.float().reshape(t, in_f // group, group).transpose(0, 1)  # [n_group, t, g]
-    return torch.bmm(xg.transpose(1, 2), xg) / t  # [n_group, g, g]
+    gram = torch.zeros(in_f // group, group, group, device=x.device, dtype=torch.float32)
+    for start in range(0, t, chunk):
+        xg = x[start : start + chunk].float().reshape(-1, in_f // group, group).transpose(0, 1)  # [n_group, c, g]
+        gram.baddbmm_(xg.transpose(1, 2), xg)
+    return gram / t  # [n_group, g, g]
 
 
 def search_clip(

@@ -189,6 +189,7 @@ def run_shared(
             checkpointer.save(i, jobs, _to(p.inputs, "cpu"), {n: _to(c, "cpu") for n, c in p.chains.items()})
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    log.info("pass seconds: %s", {k: round(v, 2) for k, v in p.seconds.items()})
     return p.notes
 
 
@@ -201,6 +202,7 @@ class _SharedPass:
         self.kwargs: list[dict] = []
         self.chains: dict[int, list[torch.Tensor]] = {}
         self.notes: list[str] = []
+        self.seconds = {"to_device": 0.0, "fp_forward": 0.0, "jobs": 0.0, "to_cpu": 0.0}  # summed over layers
 
     def restore(self, inputs: list, chains: dict) -> None:
         """Carry state from a checkpoint (in float32 if the saved pass had been upcast)."""
@@ -243,13 +245,18 @@ class _SharedPass:
     def layer(self, i: int, layer: nn.Module) -> None:
         """Move layer i to the device, serve every job, move it back; advance the chains."""
         storage_dtype = next(layer.parameters()).dtype
-        self._check_weights(i, layer)
+        t0 = self._clock()
         layer.to(self.device, self.dtype)
+        self._check_weights(i, layer)  # on the device: a pass over the weights there is cheap
+        t1 = self._clock()
+        self.seconds["to_device"] += t1 - t0
         jobs = self.jobs
         fp_jobs = [j for j in jobs if j.propagate == "fp"]
         fp_outs, fp_feats = None, {}
         if fp_jobs:
             fp_outs, fp_feats = self._fp_forward(i, layer, self.names if any(j.wants_features for j in fp_jobs) else [])
+        t2 = self._clock()
+        self.seconds["fp_forward"] += t2 - t1
         for n, job in enumerate(jobs):
             tj = time.perf_counter()
             if next(layer.parameters()).dtype != self.dtype:  # an earlier job's chain upcast the pass
@@ -269,9 +276,17 @@ class _SharedPass:
             del work
             job.seconds += time.perf_counter() - tj
         del fp_feats
+        t3 = self._clock()
+        self.seconds["jobs"] += t3 - t2
         layer.to("cpu", storage_dtype)
+        self.seconds["to_cpu"] += self._clock() - t3
         if fp_outs is not None:
             self.inputs = fp_outs
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _advance_chain(self, i: int, n: int, work: nn.Module) -> None:
         outs = layer_forward(work, self.chains[n], self.kwargs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -81,51 +82,113 @@ def _spec(recipe) -> awq.QSpec:
     return awq.QSpec(recipe.w_bit, recipe.q_group_size, recipe.zero_point)
 
 
+def _clock(device: torch.device) -> float:
+    """Wall clock after the device has finished its queued work (sub-stage timings on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def search_batches(tokens_per_batch: list[int], search_tokens: int | None, seed: int) -> list[int]:
+    """-> sorted indices of a seeded random subset of calibration batches holding >= search_tokens tokens.
+
+    Whole batches, so an inspected attention block sees whole sequences with their own positions and mask.
+    Every batch when search_tokens is None or the batches hold no more than that.
+    """
+    n = len(tokens_per_batch)
+    if search_tokens is None or sum(tokens_per_batch) <= search_tokens:
+        return list(range(n))
+    chosen, total = [], 0
+    for i in torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist():
+        chosen.append(i)
+        total += tokens_per_batch[i]
+        if total >= search_tokens:
+            break
+    return sorted(chosen)
+
+
+def _rows(x: torch.Tensor, sizes: list[int], chosen: list[int]) -> torch.Tensor:
+    """x: [tokens, in] concatenated over batches of `sizes` tokens -> the rows of the chosen batches."""
+    if len(chosen) == len(sizes):
+        return x
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    return torch.cat([x[offsets[i] : offsets[i + 1]] for i in chosen])  # [tokens', in]
+
+
+def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], opts, spec: awq.QSpec):
+    """Scale search for one scale group of data.layer -> awq.ScaleSearch."""
+    layer = data.layer
+    linears = [layer.get_submodule(n) for n in g.linears]
+    x = data.features[g.linears[0]]  # [tokens, in]
+    sizes = [t.shape[0] * t.shape[1] for t in data.inputs]
+    x_loss = _rows(x, sizes, chosen)
+    xb = _batches(x_loss, [data.inputs[i] for i in chosen])
+    kwargs = [data.kwargs[i] for i in chosen]
+    block = layer.get_submodule(g.inspect) if g.inspect else None
+    if block is None:
+        run_inspect = None  # the single linear itself: loss from XᵀX or X ΔWᵀ, no forward per grid point
+    elif g.inspect_takes_layer_kwargs:
+        def run_inspect():
+            return [_first(block(hidden_states=xi, **kw)) for xi, kw in zip(xb, kwargs)]
+    else:
+        def run_inspect():
+            return [_first(block(xi)) for xi in xb]
+    with torch.no_grad():
+        return awq.search_scales(x, linears, quantized, run_inspect, spec, opts.n_grid, opts.duo_scaling,
+                                 coarse_step=opts.coarse_step, x_loss=x_loss, grid_batch=opts.grid_batch)
+
+
+def _clip_layer(data: LayerData, arch: Arch, local: set[str], opts, spec: awq.QSpec) -> None:
+    """Clip search and apply for every converted, clippable linear of data.layer (exact, all tokens)."""
+    feature_of = _feature_of(arch)
+    grams: dict[str, torch.Tensor] = {}
+    for n in [n for n in arch.linears if n in local and n not in arch.no_clip]:
+        key = feature_of[n]
+        if key not in grams:
+            grams[key] = awq.group_gram(data.features[key], spec.group)  # [n_group, g, g]
+        fc = data.layer.get_submodule(n)
+        with torch.no_grad():
+            max_val = awq.search_clip(fc.weight.data, grams[key], spec, opts.clip_grid, opts.max_shrink)
+        awq.apply_clip(fc, max_val)
+
+
 def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype: torch.dtype,
               results: dict[str, QuantResult]) -> dict:
-    """Search and apply AWQ scales and clips for one decoder layer, then quantize it -> search stats."""
+    """Search and apply AWQ scales and clips for one decoder layer, then quantize it -> search stats.
+
+    Stats: per scale group (keyed by its `prev`) the chosen ratio, its loss, the RTN loss (α = 0), how many
+    ratios were evaluated and the seconds taken; under "seconds" the time of each sub-stage.
+    """
     layer, opts, spec = data.layer, recipe.awq, _spec(recipe)
+    device = data.inputs[0].device
     local = set(_local(arch, data.index, convert))
+    chosen_batches = search_batches([t.shape[0] * t.shape[1] for t in data.inputs], opts.search_tokens,
+                                    recipe.calibration.seed + data.index)
     stats: dict = {}
     chosen = []
+    t0 = _clock(device)
     for g in active_scale_groups(layer, arch):
-        linears = [layer.get_submodule(n) for n in g.linears]
         quantized = [n in local for n in g.linears]
         if not any(quantized):
             continue
-        xb = _batches(data.features[g.linears[0]], data.inputs)
-        block = layer.get_submodule(g.inspect) if g.inspect else None
-        if block is None:
-            run_inspect = None  # the single linear itself: loss from XᵀX, no forward per grid point
-        elif g.inspect_takes_layer_kwargs:
-            def run_inspect(block=block, xb=xb):
-                return [_first(block(hidden_states=x, **kw)) for x, kw in zip(xb, data.kwargs)]
-        else:
-            def run_inspect(block=block, xb=xb):
-                return [_first(block(x)) for x in xb]
-        with torch.no_grad():
-            s, losses = awq.search_scales(
-                data.features[g.linears[0]], linears, quantized, run_inspect, spec, opts.n_grid, opts.duo_scaling
-            )
-        best = min(range(len(losses)), key=losses.__getitem__)
-        stats[g.prev] = {"best_ratio": best / opts.n_grid, "loss": losses[best], "loss_rtn": losses[0]}
-        chosen.append((g, s))
+        t = _clock(device)
+        r = _search_group(data, g, quantized, chosen_batches, opts, spec)
+        stats[g.prev] = {"best_ratio": r.ratio, "loss": r.losses[r.ratio], "loss_rtn": r.losses[0.0],
+                         "n_evaluated": len(r.losses), "seconds": round(_clock(device) - t, 4)}
+        chosen.append((g, r.scales))
     for g, s in chosen:  # apply after searching, as all searches assume the unmodified layer
         awq.apply_scales(layer.get_submodule(g.prev), [layer.get_submodule(n) for n in g.linears], s)
         data.features[g.linears[0]].div_(s.to(data.features[g.linears[0]].dtype))
+    t1 = _clock(device)
     if opts.apply_clip:
-        feature_of = _feature_of(arch)
-        grams: dict[str, torch.Tensor] = {}
-        for n in [n for n in arch.linears if n in local and n not in arch.no_clip]:
-            key = feature_of[n]
-            if key not in grams:
-                grams[key] = awq.group_gram(data.features[key], spec.group)  # [n_group, g, g]
-            fc = layer.get_submodule(n)
-            with torch.no_grad():
-                max_val = awq.search_clip(fc.weight.data, grams[key], spec, opts.clip_grid, opts.max_shrink)
-            awq.apply_clip(fc, max_val)
+        _clip_layer(data, arch, local, opts, spec)
+    t2 = _clock(device)
     _round_to_nearest(layer, [n for n in arch.linears if n in local], spec, scale_dtype,
                       layer_prefix(arch, data.index), results)
+    t3 = _clock(device)
+    stats["seconds"] = {"scale_search": round(t1 - t0, 4), "clip": round(t2 - t1, 4), "quantize": round(t3 - t2, 4)}
     return stats
 
 
@@ -139,10 +202,13 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
     spec = gptq.GptqSpec(recipe.w_bit, recipe.q_group_size, not recipe.zero_point, opts.block_size,
                          opts.damp_percent, opts.act_order, scale_dtype, opts.kernel)
     stats: dict = {}
+    device = data.inputs[0].device
+    seconds = {"hessian": 0.0, "sweep": 0.0}
     for stage in stages:
         names = [n for n in stage if n in local]
         if not names:
             continue
+        t0 = _clock(device)
         keys = sorted({feature_of[n] for n in names}, key=arch.linears.index)  # one Hessian per shared input
         accs = {k: gptq.HessianAccumulator(layer.get_submodule(k).in_features, data.inputs[0].device) for k in keys}
         handles = [layer.get_submodule(k).register_forward_hook(lambda _m, a, _o, k=k: accs[k].add(a[0]))
@@ -152,6 +218,8 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
         finally:
             for h in handles:
                 h.remove()
+        t1 = _clock(device)
+        seconds["hessian"] += t1 - t0
         for key in keys:  # linears sharing one Hessian: one sweep over their row-concatenated weights
             shared = [n for n in names if feature_of[n] == key]
             weights = [layer.get_submodule(n).weight.data for n in shared]
@@ -162,6 +230,8 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
                 _store(layer, n, layer_prefix(arch, data.index), codes, scales.to(scale_dtype), zeros, results)
                 stats[n] = {"loss": row_loss.sum().item(), "damp": r.damp_used, "dead_columns": r.dead_columns,
                             "kernel": r.kernel}
+        seconds["sweep"] += _clock(device) - t1
+    stats["seconds"] = {k: round(v, 4) for k, v in seconds.items()}
     return stats
 
 

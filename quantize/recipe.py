@@ -53,14 +53,32 @@ class Calibration(_Strict):
 
 
 class AwqOptions(_Strict):
-    """AWQ search settings (defaults follow AutoAWQ 0.2.9)."""
+    """AWQ search settings (grid, clip and propagation defaults follow AutoAWQ 0.2.9).
 
-    n_grid: int = Field(20, gt=1)
+    The search-cost options (search_tokens, coarse_step, grid_batch) are justified in docs/BENCHMARKS.md;
+    `search_tokens: null` (with coarse_step 1) is AutoAWQ's exhaustive search over every calibration token.
+    """
+
+    n_grid: int = Field(20, gt=1)  # ratios α = i / n_grid, i = 0 .. n_grid - 1
     duo_scaling: bool = True
     apply_clip: bool = True
     clip_grid: int = Field(20, gt=1)
     max_shrink: float = Field(0.5, gt=0, lt=1)
     propagate: Literal["fp", "quantized"] = "fp"  # which layer output feeds the next layer's calibration
+    # grid loss measured on a seeded random subset of whole calibration batches holding at least this many
+    # tokens (null = every token); mean|X| always uses every token
+    search_tokens: int | None = Field(16384, gt=0)
+    # 1 = every grid point; k > 1 = every k-th, then refine by halving steps (k=4 missed the grid minimum of
+    # attention groups, whose loss is not unimodal in α: +0.07 ppl on SmolLM2, see docs/BENCHMARKS.md)
+    coarse_step: int = Field(1, gt=0)
+    grid_batch: int = Field(4, gt=0)  # candidates per matmul in single-linear groups (memory knob, exact)
+
+    @model_validator(mode="after")
+    def _coarse_fits(self) -> "AwqOptions":
+        if self.coarse_step >= self.n_grid:
+            raise ValueError(f"awq.coarse_step {self.coarse_step} must be below awq.n_grid {self.n_grid} "
+                             f"(1 evaluates every grid point)")
+        return self
 
 
 class GptqOptions(_Strict):

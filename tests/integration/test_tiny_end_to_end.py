@@ -54,7 +54,10 @@ def test_manifest_hashes_every_file(llama_artifact):
 def test_awq_search_never_worse_than_rtn(llama_artifact):
     m = json.loads((llama_artifact / "manifest.json").read_text())
     for layer in m["awq_stats"].values():
-        for g in layer.values():
+        assert set(layer["seconds"]) == {"scale_search", "clip", "quantize"}
+        groups = [g for name, g in layer.items() if name != "seconds"]
+        assert groups
+        for g in groups:
             assert g["loss"] <= g["loss_rtn"]
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from quantize.recipe import RecipeError, list_recipes, load_recipe, load_variants
+from quantize.recipe import Recipe, RecipeError, list_recipes, load_recipe, load_variants
 from tests.conftest import write_recipe
 
 BASE = dict(model="some/model", method="awq", w_bit=4, q_group_size=128, zero_point=True, version="gemm")
@@ -151,3 +151,20 @@ def test_gptq_kernel_option(tmp_path):
         == "auto"
     msg = _err(tmp_path, method="gptq", zero_point=False, gptq={"kernel": "cuda"})
     assert "gptq.kernel" in msg and "'triton'" in msg
+
+
+def test_awq_search_options_defaults_round_trip():
+    """The cheaper-search defaults survive to_dict -> Recipe, and the exhaustive search is expressible."""
+    r = Recipe(name="x", **BASE)
+    assert (r.awq.search_tokens, r.awq.coarse_step, r.awq.grid_batch) == (16384, 1, 4)
+    assert Recipe(**r.to_dict()) == r
+    exhaustive = Recipe(name="x", **BASE, awq=dict(search_tokens=None, coarse_step=4))
+    again = Recipe(**exhaustive.to_dict())
+    assert again.awq.search_tokens is None and again.awq.coarse_step == 4
+
+
+def test_awq_coarse_step_must_be_below_n_grid(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: bad\nmodel: some/model\nmethod: awq\nawq: {n_grid: 8, coarse_step: 8}\n")
+    with pytest.raises(RecipeError, match=r"`awq`.*coarse_step 8 must be below awq.n_grid 8"):
+        load_recipe(p)
