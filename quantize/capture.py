@@ -193,6 +193,21 @@ def run_shared(
     return p.notes
 
 
+def _device_copy(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The module with its floating tensors on `device` in `dtype`; the original is not moved or changed.
+
+    Where device and dtype already match, the copy shares the original's storage (CPU in float32): the
+    single-job pass then modifies the model's layer in place, as it always did.
+    """
+    memo: dict[int, object] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to(device, dtype if p.is_floating_point() else p.dtype),
+                                   requires_grad=False)
+    for b in module.buffers():
+        memo[id(b)] = b.to(device, dtype if b.is_floating_point() else b.dtype)
+    return copy.deepcopy(module, memo)
+
+
 class _SharedPass:
     """The state `run_shared` carries from layer to layer: FP-chain inputs, private chains, the compute dtype."""
 
@@ -202,7 +217,7 @@ class _SharedPass:
         self.kwargs: list[dict] = []
         self.chains: dict[int, list[torch.Tensor]] = {}
         self.notes: list[str] = []
-        self.seconds = {"to_device": 0.0, "fp_forward": 0.0, "jobs": 0.0, "to_cpu": 0.0}  # summed over layers
+        self.seconds = {"to_device": 0.0, "fp_forward": 0.0, "jobs": 0.0}  # summed over layers
 
     def restore(self, inputs: list, chains: dict) -> None:
         """Carry state from a checkpoint (in float32 if the saved pass had been upcast)."""
@@ -244,9 +259,8 @@ class _SharedPass:
 
     def layer(self, i: int, layer: nn.Module) -> None:
         """Move layer i to the device, serve every job, move it back; advance the chains."""
-        storage_dtype = next(layer.parameters()).dtype
         t0 = self._clock()
-        layer.to(self.device, self.dtype)
+        layer = _device_copy(layer, self.device, self.dtype)  # the model's own layer stays where it is
         self._check_weights(i, layer)  # on the device: a pass over the weights there is cheap
         t1 = self._clock()
         self.seconds["to_device"] += t1 - t0
@@ -276,10 +290,8 @@ class _SharedPass:
             del work
             job.seconds += time.perf_counter() - tj
         del fp_feats
-        t3 = self._clock()
-        self.seconds["jobs"] += t3 - t2
-        layer.to("cpu", storage_dtype)
-        self.seconds["to_cpu"] += self._clock() - t3
+        self.seconds["jobs"] += self._clock() - t2
+        del layer  # results and overrides hold what the jobs made of it; nothing is copied back
         if fp_outs is not None:
             self.inputs = fp_outs
 

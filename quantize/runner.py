@@ -260,7 +260,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, *, 
     recipe = job.recipe
     t0 = time.perf_counter()
     skipped = [n for n, why in the_plan.skipped.items() if why != "modules_to_not_convert"]
-    packed, qcfg = pack_all(job.results, recipe, skipped, dtype)
+    packed, qcfg = pack_all(job.results, recipe, skipped, dtype, device)
     drop = {"lm_head.weight"} if tied else set()
     tensors = export.build_state_dict(model, packed, dtype, drop, job.overrides)
 

@@ -18,7 +18,7 @@ def pack_int4_cols(x: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape
     assert cols % PACK == 0, f"cols={cols} not divisible by {PACK}"
     x = x.to(torch.int64).reshape(rows, cols // PACK, PACK)[..., list(AWQ_ORDER)]  # [rows, cols/8, 8]
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)  # nibble i at bits 4i..4i+3
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=x.device)  # nibble i at bits 4i..4i+3
     packed = (x << shifts).sum(dim=-1)  # [rows, cols/8], values < 2^32
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 

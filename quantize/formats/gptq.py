@@ -20,7 +20,7 @@ def _pack_rows(x: torch.Tensor, bits: int) -> torch.Tensor:
     rows, cols = x.shape
     assert rows % per == 0, f"rows={rows} not divisible by {per}"
     x = x.to(torch.int64).reshape(rows // per, per, cols)  # [rows/per, per, cols]
-    shifts = (torch.arange(per, dtype=torch.int64) * bits).view(1, per, 1)
+    shifts = (torch.arange(per, dtype=torch.int64, device=x.device) * bits).view(1, per, 1)
     packed = (x << shifts).sum(dim=1)  # [rows/per, cols]
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
