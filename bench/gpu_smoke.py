@@ -43,11 +43,15 @@ def main() -> None:
     res: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     d = build_tiny_model(tmp / "tiny", "llama")
     for m, kw in {"awq": {}, "gptq": dict(method="gptq", zero_point=False),
-                  "gptq-fp32": dict(method="gptq", zero_point=False, compute_dtype="float32")}.items():
+                  "gptq-fp32": dict(method="gptq", zero_point=False, compute_dtype="float32"),
+                  "gptq-ct-asym": dict(method="gptq", zero_point=True, format="compressed-tensors")}.items():
         a = runner.run(tiny_recipe(tmp, d, name=f"tiny-{m}-cpu", device="cpu", **kw), out_root=tmp / "a")
         b = runner.run(tiny_recipe(tmp, d, name=f"tiny-{m}-cuda", device="cuda", **kw), out_root=tmp / "a")
         res[f"tiny_{m}_cpu_vs_cuda"] = compare(a, b)
         print(m, res[f"tiny_{m}_cpu_vs_cuda"], flush=True)
+    if "--tiny-only" in sys.argv:
+        (out / "gpu_smoke.json").write_text(json.dumps(res, indent=2))
+        return
     # 2 decoder layers with Qwen2.5-7B shapes, random init, saved as safetensors
     from transformers import AutoConfig, AutoModelForCausalLM
 

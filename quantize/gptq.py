@@ -19,6 +19,7 @@ Dead inputs (diag H = 0: never activated) get H[i, i] = 1 and W[:, i] = 0.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from dataclasses import dataclass
@@ -128,7 +129,7 @@ def _choose_kernel(spec: GptqSpec, W: torch.Tensor) -> str:
         why = f"the tensors are on {W.device.type}; the Triton kernel needs CUDA (or TRITON_INTERPRET=1)"
     else:
         try:
-            from . import gptq_triton  # noqa: F401  (imports triton)
+            importlib.import_module(f"{__package__}.gptq_triton")  # imports triton; honours sys.modules
 
             return "triton"
         except ImportError as e:
