@@ -90,6 +90,33 @@ def layer_forward(layer: nn.Module, inputs: list[torch.Tensor], kwargs: list[dic
     return outs
 
 
+def feed_inputs(layer: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict], names: list[str],
+                on_input: Callable[[str, torch.Tensor], None]) -> None:
+    """Run the layer over every batch just far enough to hand each named linear's input to on_input(name, x).
+
+    names: in execution order; each batch's forward stops before the last of them computes anything, so
+    the rest of the layer (for GPTQ's early stages: the attention or the whole MLP) is never run.
+    """
+    last = names[-1]
+
+    def hook(module, args, name):
+        on_input(name, args[0])
+        if name == last:
+            raise _Stop
+
+    handles = [layer.get_submodule(n).register_forward_pre_hook(lambda m, a, n=n: hook(m, a, n)) for n in names]
+    try:
+        with torch.no_grad():
+            for x, kw in zip(inputs, kwargs):
+                try:
+                    layer(x, **kw)
+                except _Stop:
+                    pass
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def forward_with_features(
     layer: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict], names: list[str]
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from . import awq, gptq
 from .arch import Arch, active_scale_groups, layer_prefix
-from .capture import LayerData, NumericalError, layer_forward
+from .capture import LayerData, NumericalError, feed_inputs
 from .primitives import dequantize, quantize_for_export
 
 log = logging.getLogger(__name__)
@@ -211,13 +211,7 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
         t0 = _clock(device)
         keys = sorted({feature_of[n] for n in names}, key=arch.linears.index)  # one Hessian per shared input
         accs = {k: gptq.HessianAccumulator(layer.get_submodule(k).in_features, data.inputs[0].device) for k in keys}
-        handles = [layer.get_submodule(k).register_forward_hook(lambda _m, a, _o, k=k: accs[k].add(a[0]))
-                   for k in keys]
-        try:
-            layer_forward(layer, data.inputs, data.kwargs)
-        finally:
-            for h in handles:
-                h.remove()
+        feed_inputs(layer, data.inputs, data.kwargs, keys, lambda k, x: accs[k].add(x))
         t1 = _clock(device)
         seconds["hessian"] += t1 - t0
         for key in keys:  # linears sharing one Hessian: one sweep over their row-concatenated weights
