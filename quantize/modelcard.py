@@ -16,18 +16,25 @@ FORMAT_NAMES = {"awq": "AutoAWQ GEMM (quant_method awq)", "gptq": "GPTQ v1 (quan
                 "compressed-tensors": "compressed-tensors pack-quantized"}
 
 
+def _kept_16bit(m: dict) -> list[str]:
+    """Linears left in 16-bit: the recipe's modules_to_not_convert and what the plan skipped (norms and
+    embeddings are never quantized and are not listed)."""
+    return sorted({*m["recipe"].get("modules_to_not_convert", []), *(m.get("skipped_linears") or {})})
+
+
 def _front_matter(m: dict, report: dict | None) -> dict:
     r, spec = m["recipe"], m["model"]["spec"]
     fm: dict = {}
     if HUB_ID.match(spec):
         fm["base_model"] = spec
     fm.update({"library_name": "transformers", "pipeline_tag": "text-generation",
-               "tags": ["quantized", f"{r['w_bit']}-bit", r["method"], f"w{r['w_bit']}a16",
-                        f"group-size-{r['q_group_size']}", m["format"]["name"], "vllm", "quantize"]})
+               "tags": list(dict.fromkeys(["quantized", f"{r['w_bit']}-bit", r["method"], f"w{r['w_bit']}a16",
+                                           f"group-size-{r['q_group_size']}", m["format"]["name"], "vllm",
+                                           "quantize"]))})
     fm["quantization"] = {
         "method": r["method"], "bits": r["w_bit"], "group_size": r["q_group_size"], "zero_point": r["zero_point"],
         "format": m["format"]["name"], "quant_method": m["format"]["quant_method"], "dtype": r["dtype"],
-        "modules_not_converted": m.get("unconverted", []),
+        "linears_kept_16bit": _kept_16bit(m),
         "calibration": {k: (m.get("calibration") or {}).get(k) for k in ("dataset", "n_samples", "seq_len", "seed")}
         if m.get("calibration") else None,
         "base_model_source": spec, "tool": f"quantize {m.get('versions', {}).get('quantize', '?')}",
@@ -84,7 +91,7 @@ def render(manifest: dict, report: dict | None = None) -> str:
                                          ("zero point", r["zero_point"]), ("format", m["format"]["name"]),
                                          ("stored dtype", r["dtype"]),
                                          ("calibration", _calibration_text(m.get("calibration"))),
-                                         ("layers left 16-bit", ", ".join(m.get("unconverted", [])) or "none"),
+                                         ("linears left 16-bit", ", ".join(_kept_16bit(m)) or "none"),
                                          ("tensor-parallel sizes", m.get("tensor_parallel_sizes")))],
         "", "## Evaluation", "", *_evaluation(report), "",
         "## Integrity and reproduction", "",
