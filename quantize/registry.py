@@ -1,7 +1,7 @@
 """Hand artifacts to an MLflow model registry: only verified, evaluated, passing ones.
 
 Default: an embedded registry, a SQLite file in the project (`registry/mlflow.db`, artifacts under
-`registry/artifacts/`), nothing to start. Any tracking server: set MLFLOW_TRACKING_URI (and, if the model
+`registry/artifacts/`), nothing to start. Any sqlite:/// tracking URI keeps its artifacts beside its file. Any tracking server: set MLFLOW_TRACKING_URI (and, if the model
 registry lives elsewhere, MLFLOW_REGISTRY_URI). One registered model per artifact name; each registration is a
 new version whose run holds params = the resolved recipe, metrics = the report, tags = base model, method,
 group size, and the artifact directory itself - or, above a size limit or with `by_reference`, only its URI.
@@ -45,13 +45,13 @@ def _client():
     return mlflow, MlflowClient(tracking_uri=uri, registry_uri=registry)
 
 
-def _experiment_id(client) -> str:
+def _experiment_id(client, uri: str) -> str:
     exp = client.get_experiment_by_name(EXPERIMENT)
     if exp is not None:
         return exp.experiment_id
-    location = None
-    if not os.environ.get("MLFLOW_TRACKING_URI"):  # embedded default: artifacts next to the database
-        location = (DEFAULT_DIR / "artifacts").as_uri()
+    location = None  # a tracking server decides where artifacts go
+    if uri.startswith("sqlite:///"):  # a local database file: artifacts beside it, never in the working directory
+        location = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").as_uri()
     return client.create_experiment(EXPERIMENT, artifact_location=location)
 
 
@@ -121,7 +121,7 @@ def register(artifact: Path, by_reference: bool | None = None, storage_uri: str 
             "group_size": str(r["q_group_size"]), "format": m["format"]["name"],
             "manifest_sha256": sha256_file(artifact / MANIFEST), "git_commit": str(m.get("git", {}).get("commit")),
             "artifact_path": str(artifact), "by_reference": str(by_reference).lower()}
-    with mlflow.start_run(experiment_id=_experiment_id(client), run_name=m["artifact"]) as run:
+    with mlflow.start_run(experiment_id=_experiment_id(client, tracking_uri()), run_name=m["artifact"]) as run:
         params = _flat(r)
         items = list(params.items())
         for i in range(0, len(items), 90):  # MLflow caps a batch at 100 params

@@ -31,6 +31,8 @@ def evaluated(tiny_eval_artifact):
 def test_register_then_read_back_with_metrics(evaluated, sqlite_registry, capsys):
     res = registry.register(evaluated)
     assert res["name"] == "tiny-eval" and res["version"] == 1 and res["source"].endswith("/model")
+    copied = sqlite_registry / "artifacts"  # beside the database file, not in the working directory
+    assert res["source"].startswith(copied.as_uri()) and list(copied.rglob("model/manifest.json"))
     again = registry.register(evaluated, by_reference=True)
     assert again["version"] == 2 and again["source"] == evaluated.resolve().as_uri()
     rows = registry.versions("tiny-eval")
