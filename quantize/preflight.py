@@ -160,12 +160,13 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
         shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
         raise PreflightError("the recipe cannot be applied to this model:\n  - " + "\n  - ".join(shown))
     out.tp_sizes = _tp_sizes(shapes, g)
-    out.tied_embeddings = _tied(meta)
+    out.tied_embeddings = tied_embeddings(meta)
     out.tensor_bytes = estimate_tensor_bytes(meta, set(out.convert), recipe, out.tied_embeddings)
     return out
 
 
-def _tied(model) -> bool:
+def tied_embeddings(model) -> bool:
+    """lm_head shares the input embedding's parameter (meta-device or loaded model alike)."""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     return head is not None and head.weight is embed.weight
 

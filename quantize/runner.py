@@ -22,7 +22,7 @@ from .checkpoint import Checkpointer, fingerprint
 from .engine import Job, feature_names, is_skipped
 from .pack import pack_all
 from .lock import output_lock
-from .preflight import Plan, PreflightError, check_free_disk, human_bytes, plan
+from .preflight import Plan, PreflightError, check_free_disk, human_bytes, plan, tied_embeddings
 from .recipe import Recipe, load_recipe
 
 log = logging.getLogger(__name__)
@@ -76,11 +76,6 @@ def git_commit() -> dict:
         return {"commit": sha.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "dirty": None}
-
-
-def _tied(model) -> bool:
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    return head is not None and head.weight.data_ptr() == embed.weight.data_ptr()
 
 
 @dataclass
@@ -194,7 +189,7 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool) -> list[Path
     with timings.stage("load"):
         storage_dtype = compute_dtype if device.type == "cpu" else dtype
         model = source.load_model(pf.src, storage_dtype, first.trust_remote_code)
-        tied = _tied(model)
+        tied = tied_embeddings(model)
     jobs = [Job(r, pf.arch, set(p.convert), dtype) for r, p in zip(recipes, pf.plans)]
     ckpt = _checkpointer(recipes, outs[0], pf)
     with timings.stage("quantize"):
