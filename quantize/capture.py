@@ -181,7 +181,7 @@ def run_shared(
     feature_names: list[str],
     jobs: Sequence[LayerJob],
     checkpointer=None,
-) -> list[str]:
+) -> tuple[list[str], dict[str, float]]:
     """One pass over the decoder layers serving several jobs (recipes) that share a model and calibration.
 
     Each layer moves to `device` once. The FP forward (layer outputs and linear inputs) is computed once for
@@ -190,7 +190,8 @@ def run_shared(
     and computes exactly what it would compute alone. `job.keep(i, layer)` receives the layer as the job left it.
     checkpointer: a `checkpoint.Checkpointer`; the pass resumes after its last saved layer and saves as it goes.
     NaN/inf: a layer with non-finite weights stops the run naming it; activations that overflow in half
-    precision (Qwen in fp16) switch the pass to float32 from that layer on -> notes saying where that happened.
+    precision (Qwen in fp16) switch the pass to float32 from that layer on.
+    -> (notes saying where that happened, seconds per part of the pass summed over layers)
     """
     p = _SharedPass(arch, device, compute_dtype, feature_names, jobs)
     start_at = 0
@@ -216,8 +217,9 @@ def run_shared(
             checkpointer.save(i, jobs, _to(p.inputs, "cpu"), {n: _to(c, "cpu") for n, c in p.chains.items()})
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    log.info("pass seconds: %s", {k: round(v, 2) for k, v in p.seconds.items()})
-    return p.notes
+    seconds = {k: round(v, 3) for k, v in p.seconds.items()}
+    log.info("pass seconds: %s", seconds)
+    return p.notes, seconds
 
 
 def _device_copy(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

@@ -193,13 +193,13 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool) -> list[Path
     jobs = [Job(r, pf.arch, set(p.convert), dtype) for r, p in zip(recipes, pf.plans)]
     ckpt = _checkpointer(recipes, outs[0], pf)
     with timings.stage("quantize"):
-        numerics = run_shared(model, pf.arch, pf.samples, device, compute_dtype, first.batch_size,
+        numerics, pass_seconds = run_shared(model, pf.arch, pf.samples, device, compute_dtype, first.batch_size,
                               feature_names(pf.arch), jobs, ckpt)
     shared = {"variants": [r.name for r in recipes], "pass_s": timings.stages["quantize"],
               "per_variant_s": {j.recipe.name: round(j.seconds, 3) for j in jobs}} if len(jobs) > 1 else None
     context = dict(src=pf.src, config=pf.config, tied=tied, device=device, compute_dtype=compute_dtype,
                    storage_dtype=storage_dtype, dtype=dtype, calib_record=pf.calib_record, shared=shared,
-                   numerics=numerics)
+                   numerics=numerics, pass_seconds=pass_seconds)
     for job, the_plan, out in zip(jobs, pf.plans, outs):
         stages = dict(timings.stages)
         if shared:
@@ -250,7 +250,8 @@ def _calibration(recipe: Recipe, src: source.ModelSource) -> tuple[torch.Tensor,
 
 
 def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, *, src, config, tied, device,
-            compute_dtype, storage_dtype, dtype, calib_record, shared, numerics) -> None:
+            compute_dtype, storage_dtype, dtype, calib_record, shared, numerics,
+            pass_seconds) -> None:
     """Pack one job's results and write its artifact directory atomically (timed into its manifest)."""
     recipe = job.recipe
     t0 = time.perf_counter()
@@ -282,6 +283,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, *, 
             "device": str(device), "compute_dtype": str(compute_dtype).removeprefix("torch."),
             "versions": _versions(), "git": git_commit(),
             "timings_s": {**stages, "export": round(time.perf_counter() - t0, 3)},
+            "pass_seconds": pass_seconds,  # where the quantize stage's time went (device upload, FP forwards, jobs)
         }
         (tmp / "README.md").write_text(modelcard.render(extras))
         return extras
