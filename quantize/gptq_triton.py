@@ -1,19 +1,19 @@
 """GPTQ's in-block column sweep as one Triton kernel per block (the torch sweep launches ~12 kernels per column).
 
 Same maths, same order of float operations as `gptq._sweep_torch`, so the codes are identical:
-each program owns a tile of rows, keeps the block's W1 tile [rows, block] in registers and walks the
-block's columns in order:
+each program owns a tile of rows, keeps the block's W1 tile [rows, block] (and the original weights W0)
+in registers and walks the block's columns in order:
 
     (group start, no act-order)  s, z = qparams(W1[:, i : i + g])     (updated columns; s rounded to scale_dtype)
-    q = clamp(round(w_i / s) + z, 0, 2^b - 1);  err = (w_i - (q - z)·s) / Hinv[i, i]
-    W1[:, i+1:] -= err · Hinv[i, i+1:];  Err1[:, i] = err
+    q = clamp(round(w_i / s) + z, 0, 2^b - 1);  deq = (q - z)·s;  d = w0_i - deq  (w_i - deq without act-order)
+    W1[:, i+1:] += d · A[i, i+1:];  D1[:, i] = d;  loss += ((w_i - deq)·t_i)²
 
 Bit-exactness needs IEEE division (`div_rn`, not Triton's approximate `/`) where torch divides two
 tensors, but x * fl32(1/d) where torch on CUDA divides by a Python scalar d (as in `primitives.qparams`);
 round-half-to-even (as torch.round); no fused multiply-add (`enable_fp_fusion=False`), since torch rounds
 the product and the difference separately; and the lazy update's matmul called on operands of the same
-layout as in the torch sweep (cuBLAS may sum in another order for another layout). The lazy cross-block update `W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]` stays a torch
-matmul. This module imports triton: `gptq` imports it only when the Triton sweep is wanted, so CPU-only
+layout as in the torch sweep (cuBLAS may sum in another order for another layout). The lazy cross-block
+update `W[:, i2:] += D1 @ A[i1:i2, i2:]` stays a torch matmul. This module imports triton: `gptq` imports it only when the Triton sweep is wanted, so CPU-only
 installs without triton keep the torch sweep.
 """
 
@@ -71,17 +71,23 @@ def group_qparams(W1, cols, start, group, inv_d, MAX_Q: tl.constexpr, SYM: tl.co
 
 
 @triton.jit
-def sweep_block(W_ptr, stride_w, Hinv_ptr, stride_h0, stride_h1, Q_ptr, stride_q, E_ptr, stride_e, S_ptr, Z_ptr,
-                stride_s, gidx_ptr, loss_ptr, n_rows, n_cols, i1, group, inv_d,
+def sweep_block(W_ptr, W0_ptr, stride_w, A_ptr, stride_a0, stride_a1, t_ptr, Q_ptr, stride_q, D_ptr, stride_d,
+                S_ptr, Z_ptr, stride_s, gidx_ptr, loss_ptr, n_rows, n_cols, i1, group, inv_d,
                 MAX_Q: tl.constexpr, SYM: tl.constexpr, SCALE_KIND: tl.constexpr, RECIP: tl.constexpr,
-                COMPUTE_GROUPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+                COMPUTE_GROUPS: tl.constexpr, FEED_ORIGINAL: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R]
     cols = tl.arange(0, BLOCK)  # [B], block-local column index
     rmask = rows < n_rows
     m2 = rmask[:, None] & (cols < n_cols)[None, :]
-    W1 = tl.load(W_ptr + rows[:, None] * stride_w + (i1 + cols)[None, :], mask=m2, other=0.0)  # [R, B]
+    offs = rows[:, None] * stride_w + (i1 + cols)[None, :]
+    W1 = tl.load(W_ptr + offs, mask=m2, other=0.0)  # [R, B] with the earlier blocks' feedback
+    if FEED_ORIGINAL:
+        W0 = tl.load(W0_ptr + offs, mask=m2, other=0.0)  # [R, B] before any feedback
+    else:
+        W0 = W1
     Q1 = tl.zeros([BLOCK_R, BLOCK], dtype=tl.float32)
-    E1 = tl.zeros([BLOCK_R, BLOCK], dtype=tl.float32)
+    D1 = tl.zeros([BLOCK_R, BLOCK], dtype=tl.float32)
     loss = tl.zeros([BLOCK_R], dtype=tl.float32)
     s = tl.zeros([BLOCK_R], dtype=tl.float32) + 1.0
     z = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -99,22 +105,28 @@ def sweep_block(W_ptr, stride_w, Hinv_ptr, stride_h0, stride_h1, Q_ptr, stride_q
                 z = tl.load(Z_ptr + rows * stride_s + j, mask=rmask, other=0).to(tl.float32)
             sel = (cols == i)[None, :]
             w = tl.sum(tl.where(sel, W1, 0.0), axis=1)  # [R] column i (one non-zero term: exact)
+            if FEED_ORIGINAL:
+                w0 = tl.sum(tl.where(sel, W0, 0.0), axis=1)
+            else:
+                w0 = w
             q = tl.minimum(tl.maximum(round_half_even(tl.math.div_rn(w, s)) + z, 0.0), MAX_Q * 1.0)
-            hrow = Hinv_ptr + (i1 + i) * stride_h0
-            err = tl.math.div_rn(w - (q - z) * s, tl.load(hrow + (i1 + i) * stride_h1))
-            h = tl.load(hrow + (i1 + cols) * stride_h1, mask=(cols > i) & (cols < n_cols), other=0.0)  # [B]
-            W1 = W1 - err[:, None] * h[None, :]
+            deq = (q - z) * s
+            d = w0 - deq
+            e = (w - deq) * tl.load(t_ptr + i1 + i)
+            a = tl.load(A_ptr + (i1 + i) * stride_a0 + (i1 + cols) * stride_a1, mask=(cols > i) & (cols < n_cols),
+                        other=0.0)  # [B]
+            W1 = W1 + d[:, None] * a[None, :]
             Q1 = tl.where(sel, q[:, None], Q1)
-            E1 = tl.where(sel, err[:, None], E1)
-            loss += err * err
+            D1 = tl.where(sel, d[:, None], D1)
+            loss += e * e
     tl.store(Q_ptr + rows[:, None] * stride_q + (i1 + cols)[None, :], Q1.to(tl.uint8), mask=m2)
-    tl.store(E_ptr + rows[:, None] * stride_e + cols[None, :], E1, mask=m2)
+    tl.store(D_ptr + rows[:, None] * stride_d + cols[None, :], D1, mask=m2)
     tl.store(loss_ptr + rows, tl.load(loss_ptr + rows, mask=rmask, other=0.0) + loss * 0.5, mask=rmask)
 
 
-def sweep_triton(W: torch.Tensor, Hinv: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+def sweep_triton(W: torch.Tensor, A: torch.Tensor, t: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  gidx: list[int], g: int, spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop-in for `gptq._sweep_torch`: W [out, in] visiting order, Hinv [in, in] upper, scales/zeros
+    """Drop-in for `gptq._sweep_torch`: W [out, in] visiting order, A [in, in] upper, t [in], scales/zeros
     [out, n_group] read or filled in -> codes [out, in] uint8 (visiting order), row_loss [out]."""
     from .gptq import _block_start_qparams
 
@@ -124,6 +136,8 @@ def sweep_triton(W: torch.Tensor, Hinv: torch.Tensor, scales: torch.Tensor, zero
     max_q = 2**spec.w_bit - 1
     divisor = max_q if not spec.sym else 2 ** (spec.w_bit - 1) - 1  # primitives.qparams' Python-scalar divisor
     inv_d = (torch.tensor(1.0) / divisor).item()  # fp32 1/d, exactly as aten computes it
+    W0 = W.clone() if spec.act_order else W
+    t = t.contiguous()
     codes = torch.zeros(out_f, in_f, dtype=torch.uint8, device=W.device)
     row_loss = torch.zeros(out_f, device=W.device)
     gidx_t = torch.tensor(gidx, dtype=torch.int32, device=W.device)
@@ -132,11 +146,11 @@ def sweep_triton(W: torch.Tensor, Hinv: torch.Tensor, scales: torch.Tensor, zero
         i2 = min(i1 + spec.block_size, in_f)
         if g >= i2 - i1:
             _block_start_qparams(W, i1, g, gidx, scales, zeros, spec)
-        Err1 = torch.empty(out_f, i2 - i1, device=W.device)  # same layout as the torch sweep's: same matmul
-        sweep_block[grid](W, W.stride(0), Hinv, Hinv.stride(0), Hinv.stride(1), codes, codes.stride(0), Err1,
-                          Err1.stride(0), scales, zeros, scales.stride(0), gidx_t, row_loss, out_f, i2 - i1, i1, g,
+        D1 = torch.empty(out_f, i2 - i1, device=W.device)  # same layout as the torch sweep's: same matmul
+        sweep_block[grid](W, W0, W.stride(0), A, A.stride(0), A.stride(1), t, codes, codes.stride(0), D1,
+                          D1.stride(0), scales, zeros, scales.stride(0), gidx_t, row_loss, out_f, i2 - i1, i1, g,
                           inv_d, MAX_Q=max_q, SYM=spec.sym, SCALE_KIND=_SCALE_KIND[spec.scale_dtype],
                           RECIP=W.device.type == "cuda", COMPUTE_GROUPS=not spec.act_order and g < i2 - i1,
-                          BLOCK_R=BLOCK_ROWS, BLOCK=block, num_warps=4, enable_fp_fusion=False)
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+                          FEED_ORIGINAL=spec.act_order, BLOCK_R=BLOCK_ROWS, BLOCK=block, num_warps=4, enable_fp_fusion=False)
+        W[:, i2:] += D1 @ A[i1:i2, i2:]
     return codes, row_loss

@@ -19,7 +19,7 @@ from . import calib, export, modelcard, source
 from .arch import Arch, arch_for
 from .capture import run_shared
 from .checkpoint import Checkpointer, fingerprint
-from .engine import Job, feature_names, is_skipped
+from .engine import DTYPES, Job, feature_names, is_skipped
 from .pack import pack_all
 from .lock import output_lock
 from .preflight import Plan, PreflightError, check_free_disk, human_bytes, plan, tied_embeddings
@@ -28,7 +28,6 @@ from .recipe import Recipe, load_recipe
 log = logging.getLogger(__name__)
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
