@@ -77,6 +77,15 @@ def per_layer(layers: list[dict]) -> dict:
             "mean_after_first_s": round(sum(rest) / len(rest), 3) if rest else None}
 
 
+def method_seconds(stats: dict) -> dict:
+    """Per-layer stats' "seconds" (AWQ: scale_search/clip/quantize; GPTQ: hessian/sweep) summed over layers."""
+    out: dict[str, float] = {}
+    for layer in stats.values():
+        for k, v in (layer.get("seconds") or {}).items():
+            out[k] = round(out.get(k, 0.0) + v, 3)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("recipe", help="recipe YAML path or name")
@@ -109,6 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / gib, 2) if cuda else None,
         "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "artifact_bytes": sum(f.stat().st_size for f in art.iterdir() if f.is_file()),
+        "pass_seconds": man.get("pass_seconds"),
+        "method_seconds": method_seconds(man.get(f"{man['recipe']['method']}_stats") or {}),
     }
     args.json.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record), flush=True)

@@ -36,7 +36,7 @@ def _fmt(v) -> str:
 
 
 def _pair(method: str, ours: dict | None, peer: dict | None) -> list[str]:
-    head = f"{method.upper():28s} {'ours':>10s} {'llm-compr.':>10s} {'peer/ours':>10s}"
+    head = f"{method:28s} {'ours':>10s} {'llm-compr.':>10s} {'peer/ours':>10s}"
     lines = [head, "-" * len(head)]
     a = _ours_rows(ours) if ours and ours["ok"] else {}
     b = _peer_rows(peer) if peer and peer["ok"] else {}
@@ -71,10 +71,10 @@ def table(report: dict) -> str:
     for name, b in report["builds"].items():
         built = f"{b['params'] / 1e9:.2f} B params, build {b['build_s']} s{' (reused)' if b['reused'] else ''}"
         lines.append(f"checkpoint {name}: {built if b['ok'] else 'BUILD FAILED'}")
-    for method in ("awq", "gptq"):
-        ours, peer = runs.get(f"ours-{method}"), runs.get(f"llmc-{method}")
-        if ours or peer:
-            lines += [""] + _pair(method, ours, peer)
+    for method, title in (("awq", "AWQ"), ("gptq", "GPTQ"), ("gptq-onepass", "GPTQ one pass (true_seq off)")):
+        ours, peer = runs.get(f"ours-{method}"), runs.get(f"llmc-{method.split('-')[0]}")
+        if ours or (peer and method != "gptq-onepass"):
+            lines += [""] + _pair(title, ours, peer)
     big = [(j, r) for j, r in runs.items() if "72b" in j]
     if big:
         lines.append("")

@@ -11,6 +11,8 @@ On the GPU host (offline; wheels collected by bench/peers/collect_wheels.sh into
    on the device, bf16 safetensors under --work; reused when already there with the same spec).
 2. Runs each selected job in its own process, so peak GPU memory is that job's alone:
    ours-awq / ours-gptq   bench/bench_ours.py on bench/recipes/bench-{awq,gptq}-g128.yaml (eval off)
+   ours-gptq-onepass      the same on bench-gptq-onepass-g128.yaml: true_sequential false, every Hessian of
+                          a layer from one forward, as llm-compressor does
    llmc-awq / llmc-gptq   bench/peers/llmc_bench.py (oneshot, same calibration token blocks)
    ours-72b-awq / -gptq   our pipeline on --layers-72b layers of the Qwen2.5-72B shape, extrapolated to all
                           layers of that config (ours-72b selects both)
@@ -37,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_table import table  # noqa: E402
-JOBS = ("ours-awq", "ours-gptq", "llmc-awq", "llmc-gptq", "ours-72b-awq", "ours-72b-gptq")
-ALIASES = {"ours-72b": ("ours-72b-awq", "ours-72b-gptq"), "all-7b": JOBS[:4]}
+JOBS = ("ours-awq", "ours-gptq", "llmc-awq", "llmc-gptq", "ours-72b-awq", "ours-72b-gptq", "ours-gptq-onepass")
+ALIASES = {"ours-72b": ("ours-72b-awq", "ours-72b-gptq"), "all-7b": JOBS[:4] + ("ours-gptq-onepass",)}
 LOG_TAIL_BYTES = 256 * 1024
 
 
@@ -54,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--n-samples", type=int, default=None, help="calibration blocks (default 128; tiny 8)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per block (default 512; tiny 128)")
     ap.add_argument("--peer-batch-size", type=int, default=1, help="oneshot batch_size (its default: 1)")
+    ap.add_argument("--batch-size", type=int, default=None, help="our recipes' batch_size (default: the recipe's)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-bench"), help="checkpoints, artifacts, logs")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "/tmp/gpu-bench/out"))
     ap.add_argument("--wheels", type=Path, default=None, help="install these wheels into WORK/site first and "
@@ -149,13 +152,16 @@ def write_recipe(method: str, model: str, args) -> Path:
     name = f"bench-{method}-{Path(model).name}"
     path = args.work / "recipes" / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump({"name": name, "base": str(base), "model": model, "device": args.device,
-                                    "calibration": {"n_samples": args.n_samples, "seq_len": args.seq_len}}))
+    recipe = {"name": name, "base": str(base), "model": model, "device": args.device,
+              "calibration": {"n_samples": args.n_samples, "seq_len": args.seq_len}}
+    if args.batch_size is not None:
+        recipe["batch_size"] = args.batch_size
+    path.write_text(yaml.safe_dump(recipe))
     return path
 
 
 def job_command(job: str, model: str, args) -> list[str]:
-    method = job.rsplit("-", 1)[1]
+    method = job.split("-", 1)[1].removeprefix("72b-")  # awq | gptq | gptq-onepass
     if job.startswith("ours"):
         return [args.ours_python, str(ROOT / "bench" / "bench_ours.py"), str(write_recipe(method, model, args)),
                 "--out-root", str(args.work / "artifacts")]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
+import yaml
 from transformers import AutoConfig, AutoTokenizer
 
 from bench import bench_ours, gpu_bench
@@ -39,10 +41,16 @@ def test_bench_ours_reads_every_stage_and_layer(tiny_qwen2, tmp_path):
     assert report["runs"]["ours-72b-gptq"]["extrapolated"]["quantize_s"] == round(per * 80, 1)
 
 
-def test_job_selection():
+def test_job_selection(tmp_path):
     assert gpu_bench.parse_args(["--only", "llmc-gptq,ours-72b"]).jobs == ["llmc-gptq", "ours-72b-awq",
                                                                            "ours-72b-gptq"]
-    assert gpu_bench.parse_args([]).jobs == ["ours-awq", "ours-gptq", "llmc-awq", "llmc-gptq"]
+    assert gpu_bench.parse_args([]).jobs == ["ours-awq", "ours-gptq", "llmc-awq", "llmc-gptq", "ours-gptq-onepass"]
+    args = gpu_bench.parse_args(["--batch-size", "32", "--work", str(tmp_path)])
+    # the one-pass GPTQ job runs its own recipe; --batch-size reaches every recipe we write
+    cmd = gpu_bench.job_command("ours-gptq-onepass", "/m", args)
+    written = yaml.safe_load(Path(cmd[2]).read_text())
+    assert written["base"].endswith("bench-gptq-onepass-g128.yaml") and written["batch_size"] == 32
+    assert yaml.safe_load(Path(written["base"]).read_text())["gptq"]["true_sequential"] is False
     with pytest.raises(SystemExit):
         gpu_bench.parse_args(["--only", "ours-awk"])
 
