@@ -37,16 +37,26 @@ class LayerData:
     features: dict[str, torch.Tensor] = field(default_factory=dict)  # linear name -> its input [tokens, in]
 
 
-def _to(obj, device):
+def _map(obj, fn):
+    """fn applied to every tensor inside obj (tensor / tuple / list / dict); everything else unchanged."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, tuple):
-        return tuple(_to(o, device) for o in obj)
-    if isinstance(obj, list):
-        return [_to(o, device) for o in obj]
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map(o, fn) for o in obj)
     if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
+        return {k: _map(v, fn) for k, v in obj.items()}
     return obj
+
+
+def _to(obj, device):
+    return _map(obj, lambda t: t.to(device))
+
+
+def clock(device: torch.device) -> float:
+    """Wall clock after the device has finished its queued work (sub-stage timings on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def first_layer_inputs(
@@ -159,13 +169,7 @@ class NumericalError(FloatingPointError):
 
 def _cast(obj, dtype: torch.dtype):
     """Floating tensors inside obj (tensor / tuple / list / dict) -> dtype; everything else unchanged."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_cast(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast(v, dtype) for k, v in obj.items()}
-    return obj
+    return _map(obj, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def _finite(tensors) -> bool:
@@ -377,9 +381,7 @@ class _SharedPass:
             self.inputs = fp_outs
 
     def _clock(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return clock(self.device)
 
     def _advance_chain(self, i: int, n: int, work: nn.Module) -> None:
         outs = layer_forward(work, self.chains[n], self.kwargs)

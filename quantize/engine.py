@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +17,7 @@ import torch.nn as nn
 from . import awq, gptq
 from .arch import Arch, active_scale_groups, layer_prefix
 from .capture import LayerData, NumericalError, feed_inputs
+from .capture import clock as _clock
 from .primitives import dequantize, quantize_for_export
 
 log = logging.getLogger(__name__)
@@ -102,13 +102,6 @@ def _first(y):
 
 def _spec(recipe) -> awq.QSpec:
     return awq.QSpec(recipe.w_bit, recipe.q_group_size, recipe.zero_point)
-
-
-def _clock(device: torch.device) -> float:
-    """Wall clock after the device has finished its queued work (sub-stage timings on CUDA)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def search_batches(tokens_per_batch: list[int], search_tokens: int | None, seed: int) -> list[int]:
@@ -293,9 +286,10 @@ class Job:
         else:
             _round_to_nearest(data.layer, _local(arch, data.index, self.convert), _spec(r), self.scale_dtype,
                               layer_prefix(arch, data.index), self.results)
-        prefix = layer_prefix(arch, data.index) + "."
-        for name, res in self.results.items():
-            if name.startswith(prefix) and not bool(torch.isfinite(res.scales).all()):
+        prefix = layer_prefix(arch, data.index)
+        for name in (f"{prefix}.{n}" for n in _local(arch, data.index, self.convert)):  # this layer's results
+            res = self.results[name]
+            if not bool(torch.isfinite(res.scales).all()):
                 raise NumericalError(f"{name}: {r.method} produced NaN/inf scales (the weights or their "
                                      f"calibration inputs overflow in {res.scales.dtype}); try compute_dtype: float32")
 
