@@ -99,8 +99,9 @@ class HessianAccumulator:
 
 
 def _factor_launch(H: torch.Tensor, lam: float, textbook: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One attempt of `_feedback_factor` at dampening λ, queued without waiting for the device -> (A, t, ok),
-    ok a 0-dim bool tensor: the factorisation succeeded and A, t are finite."""
+    """One attempt of `_feedback_factor` at dampening λ -> (A, t, ok), ok a 0-dim bool tensor: the
+    factorisation succeeded and A, t are finite. The host waits once, for the dampening scalar; the
+    factorisation itself is only queued (on the current stream)."""
     Hd = H.clone()
     Hd.diagonal().add_(lam * torch.mean(torch.diagonal(H)).item())  # H + λ·mean(diag H)·I
     L, info = torch.linalg.cholesky_ex(Hd.flip(0, 1))
@@ -226,7 +227,8 @@ def _solve(p: _Problem, spec: GptqSpec, first: tuple | None = None) -> GptqResul
         from .gptq_triton import sweep_triton as sweep
     else:
         sweep = _sweep_torch
-    codes, row_loss = sweep(p.W, A, t, p.scales, p.zeros, p.gidx, p.g, spec)  # codes in visiting order
+    W0 = p.W.clone() if spec.act_order else p.W  # d_i = W0_i − q_i: the weights before any feedback (LDLQ)
+    codes, row_loss = sweep(p.W, W0, A, t, p.scales, p.zeros, p.gidx, p.g, spec)  # codes in visiting order
     inv = torch.argsort(p.perm)
     return GptqResult(codes[:, inv].contiguous(), p.scales, p.zeros, row_loss.sum().item(), lam, p.dead,
                       row_loss, kernel)
@@ -279,10 +281,10 @@ def _block_start_qparams(W: torch.Tensor, i1: int, g: int, gidx: list[int], scal
     return True
 
 
-def _sweep_torch(W: torch.Tensor, A: torch.Tensor, t: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 gidx: list[int], g: int, spec: GptqSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """The column sweep with torch ops. W: [out, in] (visiting order, updated in place), A: [in, in] upper,
-    t: [in] (see `_feedback_factor`).
+def _sweep_torch(W: torch.Tensor, W0: torch.Tensor, A: torch.Tensor, t: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor, gidx: list[int], g: int, spec: GptqSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The column sweep with torch ops. W: [out, in] (visiting order, updated in place), W0: W before any
+    update (read with act-order only), A: [in, in] upper, t: [in] (see `_feedback_factor`).
 
     scales/zeros [out, n_group] are read (act-order) or filled in (otherwise) -> codes [out, in] uint8 in
     visiting order, row_loss [out] = Σ_i err_i² / 2 with err_i = (w_i − q_i) · t_i (GPTQ's loss).
@@ -290,7 +292,6 @@ def _sweep_torch(W: torch.Tensor, A: torch.Tensor, t: torch.Tensor, scales: torc
     """
     out_f, in_f = W.shape
     max_q = 2**spec.w_bit - 1
-    W0 = W.clone() if spec.act_order else W  # d_i = W0_i − q_i: the weights before any feedback (LDLQ)
     codes = torch.zeros(out_f, in_f, dtype=torch.uint8, device=W.device)
     row_loss = torch.zeros(out_f, device=W.device, dtype=W.dtype)
     for i1 in range(0, in_f, spec.block_size):

@@ -124,10 +124,11 @@ def sweep_block(W_ptr, W0_ptr, stride_w, A_ptr, stride_a0, stride_a1, t_ptr, Q_p
     tl.store(loss_ptr + rows, tl.load(loss_ptr + rows, mask=rmask, other=0.0) + loss * 0.5, mask=rmask)
 
 
-def sweep_triton(W: torch.Tensor, A: torch.Tensor, t: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 gidx: list[int], g: int, spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop-in for `gptq._sweep_torch`: W [out, in] visiting order, A [in, in] upper, t [in], scales/zeros
-    [out, n_group] read or filled in -> codes [out, in] uint8 (visiting order), row_loss [out]."""
+def sweep_triton(W: torch.Tensor, W0: torch.Tensor, A: torch.Tensor, t: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor, gidx: list[int], g: int, spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop-in for `gptq._sweep_torch`: W [out, in] visiting order, W0 its values before any update, A [in, in]
+    upper, t [in], scales/zeros [out, n_group] read or filled in -> codes [out, in] uint8 (visiting order),
+    row_loss [out]."""
     from .gptq import _block_start_qparams
 
     out_f, in_f = W.shape
@@ -136,7 +137,6 @@ def sweep_triton(W: torch.Tensor, A: torch.Tensor, t: torch.Tensor, scales: torc
     max_q = 2**spec.w_bit - 1
     divisor = max_q if not spec.sym else 2 ** (spec.w_bit - 1) - 1  # primitives.qparams' Python-scalar divisor
     inv_d = (torch.tensor(1.0) / divisor).item()  # fp32 1/d, exactly as aten computes it
-    W0 = W.clone() if spec.act_order else W
     t = t.contiguous()
     codes = torch.zeros(out_f, in_f, dtype=torch.uint8, device=W.device)
     row_loss = torch.zeros(out_f, device=W.device)
