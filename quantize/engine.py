@@ -251,6 +251,14 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
     return stats
 
 
+def propagation(recipe) -> str:
+    """What a recipe's layer inputs are: "fp" (the FP model's, shareable), "quantized" (its own chain of
+    quantized layers) or "none" (no calibration inputs: round-to-nearest)."""
+    if recipe.method == "rtn":
+        return "none"
+    return "quantized" if recipe.method == "gptq" else recipe.awq.propagate
+
+
 @dataclass
 class Job:
     """One recipe in a shared layer-by-layer pass (`capture.run_shared`): its settings and what it produced.
@@ -270,8 +278,7 @@ class Job:
 
     @property
     def propagate(self) -> str:
-        method = self.recipe.method
-        return "none" if method == "rtn" else "quantized" if method == "gptq" else self.recipe.awq.propagate
+        return propagation(self.recipe)
 
     @property
     def wants_features(self) -> bool:

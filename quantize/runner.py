@@ -19,7 +19,7 @@ from . import calib, export, modelcard, source
 from .arch import Arch, arch_for
 from .capture import run_shared
 from .checkpoint import Checkpointer, fingerprint
-from .engine import DTYPES, Job, feature_names, is_skipped
+from .engine import DTYPES, Job, feature_names, is_skipped, propagation
 from .pack import pack_all
 from .lock import output_lock
 from .preflight import Plan, PreflightError, check_free_disk, human_bytes, plan, tied_embeddings
@@ -132,9 +132,9 @@ def _checkpoint_bytes(recipes: list[Recipe], config, plans: list[Plan]) -> int:
     """Estimate of a checkpoint's peak size: carried activations (float32, per chain) + the codes, scales and
     zeros so far (at most about the artifacts' own size); it lives until the artifacts are written."""
     r = recipes[0]
-    if r.checkpoint_every_s is None or all(x.method == "rtn" for x in recipes):
+    if r.checkpoint_every_s is None or all(propagation(x) == "none" for x in recipes):
         return 0
-    chains = 1 + sum(x.method == "gptq" or x.awq.propagate == "quantized" for x in recipes)
+    chains = 1 + sum(propagation(x) == "quantized" for x in recipes)
     return r.calibration.n_samples * r.calibration.seq_len * config.hidden_size * 4 * chains + \
         sum(p.tensor_bytes for p in plans)
 
@@ -190,7 +190,8 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool) -> list[Path
         model = source.load_model(pf.src, storage_dtype, first.trust_remote_code)
         tied = tied_embeddings(model)
     jobs = [Job(r, pf.arch, set(p.convert), dtype) for r, p in zip(recipes, pf.plans)]
-    ckpt = _checkpointer(recipes, outs[0], pf)
+    provenance = {"versions": _versions(), "git": git_commit()}  # once per run: git status is a subprocess
+    ckpt = _checkpointer(recipes, outs[0], pf, provenance)
     with timings.stage("quantize"):
         numerics, pass_seconds = run_shared(model, pf.arch, pf.samples, device, compute_dtype, first.batch_size,
                               feature_names(pf.arch), jobs, ckpt)
@@ -198,6 +199,7 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool) -> list[Path
               "per_variant_s": {j.recipe.name: round(j.seconds, 3) for j in jobs}} if len(jobs) > 1 else None
     context = dict(src=pf.src, config=pf.config, tied=tied, device=device, compute_dtype=compute_dtype,
                    storage_dtype=storage_dtype, dtype=dtype, calib_record=pf.calib_record, shared=shared,
+                   provenance=provenance,
                    numerics=numerics, pass_seconds=pass_seconds)
     for job, the_plan, out in zip(jobs, pf.plans, outs):
         stages = dict(timings.stages)
@@ -209,7 +211,8 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool) -> list[Path
     return outs
 
 
-def _checkpointer(recipes: list[Recipe], first_out: Path, pf: Checked) -> Checkpointer | None:
+def _checkpointer(recipes: list[Recipe], first_out: Path, pf: Checked,
+                  provenance: dict) -> Checkpointer | None:
     """Per-layer checkpoints in `<out_root>/.<name>.checkpoint/`, keyed by everything that fixes the results."""
     every = recipes[0].checkpoint_every_s
     if every is None:
@@ -218,7 +221,7 @@ def _checkpointer(recipes: list[Recipe], first_out: Path, pf: Checked) -> Checkp
                                    for r in recipes],
                        "calibration": pf.calib_record, "model": [pf.src.spec, str(pf.src.path), pf.src.origin_sha256],
                        "config": pf.config.to_dict(), "device": str(pf.device), "compute": str(pf.compute_dtype),
-                       "versions": _versions(), "commit": git_commit()["commit"]})
+                       "versions": provenance["versions"], "commit": provenance["git"]["commit"]})
     return Checkpointer(first_out.parent / f".{first_out.name}.checkpoint", key, every)
 
 
@@ -250,7 +253,7 @@ def _calibration(recipe: Recipe, src: source.ModelSource) -> tuple[torch.Tensor,
 
 def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, *, src, config, tied, device,
             compute_dtype, storage_dtype, dtype, calib_record, shared, numerics,
-            pass_seconds) -> None:
+            pass_seconds, provenance) -> None:
     """Pack one job's results and write its artifact directory atomically (timed into its manifest)."""
     recipe = job.recipe
     t0 = time.perf_counter()
@@ -280,7 +283,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, *, 
             f"{recipe.method}_stats": {str(k): v for k, v in job.stats.items()},
             "shared_pass": shared,
             "device": str(device), "compute_dtype": str(compute_dtype).removeprefix("torch."),
-            "versions": _versions(), "git": git_commit(),
+            "versions": provenance["versions"], "git": provenance["git"],
             "timings_s": {**stages, "export": round(time.perf_counter() - t0, 3)},
             "pass_seconds": pass_seconds,  # where the quantize stage's time went (device upload, FP forwards, jobs)
         }
