@@ -31,30 +31,20 @@ import torch  # noqa: E402
 from quantize import runner  # noqa: E402
 
 LAYER_DONE = re.compile(r"layer (\d+)/(\d+) done in ([0-9.]+) s")
-STAGE = re.compile(r"stage (\w+): (start|done)")
 PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "pydantic", "compressed-tensors")
 
 
 class LogTimes(logging.Handler):
-    """Collects the per-layer records of the calibration loop (layer, seconds, wall-clock stamp) and the
-    start/done stamps of the runner's stages (the manifest is written inside the export stage, so its
-    timings_s cannot hold export's time)."""
+    """Collects the per-layer records of the calibration loop (layer, seconds, wall-clock stamp); the stage
+    times (export included) come from the manifest."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.layers: list[dict] = []
-        self.stage_start: dict[str, float] = {}
-        self.stages: dict[str, float] = {}
 
     def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if m := LAYER_DONE.search(msg):
+        if m := LAYER_DONE.search(record.getMessage()):
             self.layers.append({"layer": int(m[1]), "of": int(m[2]), "s": float(m[3]), "at": record.created})
-        elif m := STAGE.match(msg):
-            if m[2] == "start":
-                self.stage_start[m[1]] = record.created
-            elif m[1] in self.stage_start:
-                self.stages[m[1]] = round(record.created - self.stage_start[m[1]], 3)
 
 
 def versions() -> dict[str, str]:
@@ -111,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
         "runner": "ours", "recipe": man["recipe"]["name"], "method": man["recipe"]["method"],
         "artifact": str(art), "device": man["device"], "compute_dtype": man["compute_dtype"],
         "gpu": torch.cuda.get_device_name(0) if cuda else None, "versions": versions(),
-        "calibration": man["calibration"], "stages_s": {**log_times.stages, **man["timings_s"]},
+        "calibration": man["calibration"], "stages_s": man["timings_s"],
         "run_s": round(run_s, 2),
         "process_s": round(time.perf_counter() - T0, 2), "per_layer": per_layer(log_times.layers),
         "peak_gpu_alloc_gib": round(torch.cuda.max_memory_allocated() / gib, 2) if cuda else None,

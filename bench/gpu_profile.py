@@ -78,19 +78,18 @@ def micro(tokens: int = 65536) -> dict:
     return {k: {kk: (round(vv, 5) if isinstance(vv, float) else vv) for kk, vv in v.items()} for k, v in out.items()}
 
 
-def profile_run(method: str, model: str, work: Path, out: Path, n_samples: int, seq_len: int) -> dict:
-    import yaml
+def profile_run(method: str, model: str, bench_args, out: Path) -> dict:
+    """Our run of bench/recipes/bench-<method>-g128.yaml on `model` (recipe written as gpu_bench writes it)
+    under torch.profiler -> timings; the operator tables go to out/profile-<method>.txt."""
     from torch.profiler import ProfilerActivity, profile
 
+    from bench import gpu_bench
     from quantize import runner
 
-    recipe = work / f"prof-{method}.yaml"
-    recipe.write_text(yaml.safe_dump({"name": f"prof-{method}", "base": str(ROOT / "bench" / "recipes" /
-                                      f"bench-{method}-g128.yaml"), "model": model, "device": "cuda",
-                                      "calibration": {"n_samples": n_samples, "seq_len": seq_len}}))
+    recipe = gpu_bench.write_recipe(method, model, bench_args)
     t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        art = runner.run(str(recipe), out_root=str(work / "artifacts"), force=True)
+        art = runner.run(str(recipe), out_root=str(bench_args.work / "artifacts"), force=True)
     wall = time.perf_counter() - t
     man = json.loads((art / "manifest.json").read_text())
     ka = prof.key_averages()
@@ -118,13 +117,16 @@ def main() -> int:
     if not args.skip_micro:
         report["micro"] = micro()
         print(json.dumps(report["micro"], indent=1), flush=True)
-    import subprocess
-    ckpt = args.work / "ckpt" / f"qwen2.5-7b-L{args.layers}"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "build_checkpoint.py"), "--config",
-                    str(ROOT / "bench" / "configs" / "qwen2.5-7b"), "--out", str(ckpt), "--layers",
-                    str(args.layers), "--device", "cuda"], check=True)
+    from bench import gpu_bench
+
+    bench_args = gpu_bench.parse_args(["--work", str(args.work), "--layers", str(args.layers),
+                                       "--n-samples", str(args.n_samples), "--seq-len", str(args.seq_len)])
+    built = gpu_bench.build("qwen2.5-7b", f"qwen2.5-7b-L{args.layers}", args.layers, bench_args,
+                            gpu_bench.child_env(None))
+    if not built["ok"]:
+        raise SystemExit(f"building the checkpoint failed:\n{built['log_tail']}")
     for m in args.methods.split(","):
-        report[m] = profile_run(m, str(ckpt), args.work, args.out, args.n_samples, args.seq_len)
+        report[m] = profile_run(m, built["path"], bench_args, args.out)
         print(m, json.dumps(report[m]), flush=True)
         (args.out / "gpu_profile.json").write_text(json.dumps(report, indent=1) + "\n")
     return 0
