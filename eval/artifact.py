@@ -88,7 +88,7 @@ def dequantized_state_dict(path: Path, dtype: torch.dtype = torch.float32) -> tu
     if fmt == "awq" and bits != 4:
         raise ArtifactError(f"{path}: bits {bits} is not supported by the AWQ GEMM reader (4 only)")
     tensors = read_tensors(path)
-    marker = {"awq": ".qweight", "gptq": ".qweight", "compressed-tensors": ".weight_packed"}[fmt]
+    marker = "." + PACKED_TENSOR[fmt]
     modules = [k.removesuffix(marker) for k in tensors if k.endswith(marker)]
     out: dict[str, torch.Tensor] = {}
     for m in modules:
@@ -109,6 +109,8 @@ def dequantized_state_dict(path: Path, dtype: torch.dtype = torch.float32) -> tu
         out[name] = t.to(dtype) if t.is_floating_point() else t
     return out, qcfg
 
+
+PACKED_TENSOR = {"awq": "qweight", "gptq": "qweight", "compressed-tensors": "weight_packed"}  # int32, 32/w_bit codes each
 
 _SUFFIXES = {
     "awq": ("qweight", "qzeros", "scales"),

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from quantize.export import MANIFEST
 
+from .artifact import PACKED_TENSOR
+
 log = logging.getLogger(__name__)
 
-PACKED = ("qweight", "weight_packed")  # int32 tensors holding 32 / w_bit codes each (all three formats)
-DTYPE_BYTES = {"F64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2, "I8": 1, "U8": 1,
-               "BOOL": 1, "I64": 8, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+PACKED = tuple(sorted(set(PACKED_TENSOR.values())))  # the int32 code tensors of all three formats
 
 
 def _header(path: Path) -> dict:
