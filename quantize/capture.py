@@ -331,15 +331,22 @@ class _SharedPass:
             raise NumericalError(f"decoder layer {i + 1}: {', '.join(bad)} contain NaN/inf in the source "
                                  f"checkpoint; it cannot be quantized (re-export or repair the model)")
 
+    def _finite_run(self, why: str, module: nn.Module, run: Callable[[], object], tensors: Callable) -> object:
+        """run() -> its result; when tensors(result) hold NaN/inf, continue the pass in float32 (inputs, chains,
+        kwargs and `module`) and run again; a second failure raises NumericalError naming `why`."""
+        result = run()
+        if not _finite(tensors(result)):
+            self._upcast(why)
+            module.to(self.device, torch.float32)
+            result = run()
+            if not _finite(tensors(result)):
+                self._upcast(why)  # raises: already float32
+        return result
+
     def _fp_forward(self, i: int, layer: nn.Module, names: list[str]):
-        outs, feats = forward_with_features(layer, self.inputs, self.kwargs, names)
-        if not (_finite(outs) and _finite(feats.values())):
-            self._upcast(f"decoder layer {i + 1}: NaN/inf in its activations")
-            layer.to(self.device, torch.float32)
-            outs, feats = forward_with_features(layer, self.inputs, self.kwargs, names)
-            if not (_finite(outs) and _finite(feats.values())):
-                self._upcast(f"decoder layer {i + 1}: NaN/inf in its activations")  # raises: already float32
-        return outs, feats
+        return self._finite_run(f"decoder layer {i + 1}: NaN/inf in its activations", layer,
+                                lambda: forward_with_features(layer, self.inputs, self.kwargs, names),
+                                lambda r: [*r[0], *r[1].values()])
 
     def layer(self, i: int) -> None:
         """Get layer i's device copy, serve every job, drop the copy; advance the chains."""
@@ -384,11 +391,6 @@ class _SharedPass:
         return clock(self.device)
 
     def _advance_chain(self, i: int, n: int, work: nn.Module) -> None:
-        outs = layer_forward(work, self.chains[n], self.kwargs)
-        if not _finite(outs):
-            self._upcast(f"decoder layer {i + 1} (quantized, job {n + 1}): NaN/inf in its outputs")
-            work.to(self.device, torch.float32)
-            outs = layer_forward(work, self.chains[n], self.kwargs)
-            if not _finite(outs):
-                self._upcast(f"decoder layer {i + 1} (quantized, job {n + 1}): NaN/inf in its outputs")
-        self.chains[n] = outs
+        self.chains[n] = self._finite_run(f"decoder layer {i + 1} (quantized, job {n + 1}): NaN/inf in its outputs",
+                                          work, lambda: layer_forward(work, self.chains[n], self.kwargs),
+                                          lambda outs: outs)
