@@ -135,3 +135,9 @@ def make_samples(docs: list[str], tokenizer, n_samples: int, seq_len: int, seed:
             f"lower calibration.n_samples or calibration.seq_len, or set calibration.dataset to a longer text"
         )
     return torch.tensor(ids[:need], dtype=torch.long).reshape(n_samples, seq_len)  # [n, seq]
+
+
+def samples_sha256(samples: torch.Tensor) -> str:
+    """sha256 of token blocks [n, seq] as their raw int64 bytes: equal hashes mean equal blocks (manifests, and
+    the benchmark's check that ours and the peer calibrated on the same tokens)."""
+    return hashlib.sha256(samples.numpy().tobytes()).hexdigest()

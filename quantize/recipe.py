@@ -275,8 +275,8 @@ def _read_raw(path: Path, seen: tuple[Path, ...]) -> dict:
     return _merge(parent, raw)
 
 
-def _format_error(path: Path, err: ValidationError) -> str:
-    lines = [f"{path}: recipe is invalid:"]
+def _format_error(path: Path, err: ValidationError, what: str = "recipe") -> str:
+    lines = [f"{path}: {what} is invalid:"]
     for e in err.errors():
         key = ".".join(str(x) for x in e["loc"]) or "(recipe)"
         msg = e["msg"].removeprefix("Value error, ")
@@ -314,8 +314,7 @@ def _validate(raw: dict, path: Path, label: str = "") -> Recipe:
     try:
         return Recipe(**raw)
     except ValidationError as e:
-        msg = _format_error(path, e)
-        raise RecipeError(msg.replace(": recipe is invalid:", f": {label} is invalid:") if label else msg) from None
+        raise RecipeError(_format_error(path, e, label or "recipe")) from None
 
 
 # Short name parts for swept keys: q_group_size 64 -> "g64"; anything else -> "<last key part><value>".

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import platform
 import subprocess
@@ -248,7 +247,7 @@ def _calibration(recipe: Recipe, src: source.ModelSource) -> tuple[torch.Tensor,
     log.info("calibration: %d x %d tokens from %s", c.n_samples, c.seq_len, text.source)
     return samples, {"dataset": c.dataset, "source": text.source, "sha256": text.sha256,
                      "n_samples": c.n_samples, "seq_len": c.seq_len, "seed": c.seed, "tokens": int(samples.numel()),
-                     "samples_sha256": hashlib.sha256(samples.numpy().tobytes()).hexdigest()}
+                     "samples_sha256": calib.samples_sha256(samples)}
 
 
 def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, *, src, config, tied, device,

@@ -16,7 +16,6 @@ saved compressed. Records wall time for load / oneshot / save, the process's wal
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import resource
@@ -119,7 +118,7 @@ def main() -> None:
         "device": args.device, "gpu": torch.cuda.get_device_name(0) if cuda else None, "versions": versions(),
         "calibration": {"source": text.source, "sha256": text.sha256, "n_samples": args.n_samples,
                         "seq_len": args.seq_len, "seed": args.seed, "batch_size": args.batch_size,
-                        "samples_sha256": hashlib.sha256(samples.numpy().tobytes()).hexdigest()},
+                        "samples_sha256": calib.samples_sha256(samples)},
         "modifiers": [{type(m).__name__: m.model_dump(mode="json", exclude_none=True, exclude=LIFECYCLE_FLAGS)}
                       for m in recipe],
         "quantization_config": json.loads((args.out / "config.json").read_text()).get("quantization_config"),

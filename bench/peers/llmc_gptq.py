@@ -17,7 +17,6 @@ to 1 here, so `pileval`/`wikitext2` resolve to the bundled files in data/ unless
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import resource
@@ -95,7 +94,7 @@ def main() -> None:
         "model": str(Path(args.model).resolve()),
         "calibration": {"dataset": args.dataset, "source": text.source, "text_sha256": text.sha256,
                         "n_samples": args.n_samples, "seq_len": args.seq_len, "seed": args.seed,
-                        "blocks_sha256": hashlib.sha256(samples.numpy().tobytes()).hexdigest()},
+                        "blocks_sha256": calib.samples_sha256(samples)},
         "modifier": modifier.model_dump(mode="json", exclude_none=True, exclude=LIFECYCLE_FLAGS),
         "quantization_config": json.loads((out / "config.json").read_text())["quantization_config"],
         "compute_dtype": args.compute_dtype, "save_dtype": args.save_dtype,
