@@ -13,6 +13,7 @@ On the GPU host (offline; wheels collected by bench/peers/collect_wheels.sh into
    ours-awq / ours-gptq   bench/bench_ours.py on bench/recipes/bench-{awq,gptq}-g128.yaml (eval off)
    ours-gptq-onepass      the same on bench-gptq-onepass-g128.yaml: true_sequential false, every Hessian of
                           a layer from one forward, as llm-compressor does
+   ours-gptq-tf32         the same on bench-gptq-tf32-g128.yaml: gptq.update tf32 (approximate cross-block update)
    llmc-awq / llmc-gptq   bench/peers/llmc_bench.py (oneshot, same calibration token blocks)
    ours-72b-awq / -gptq   our pipeline on --layers-72b layers of the Qwen2.5-72B shape, extrapolated to all
                           layers of that config (ours-72b selects both)
@@ -39,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_table import table  # noqa: E402
-JOBS = ("ours-awq", "ours-gptq", "llmc-awq", "llmc-gptq", "ours-72b-awq", "ours-72b-gptq", "ours-gptq-onepass")
+JOBS = ("ours-awq", "ours-gptq", "llmc-awq", "llmc-gptq", "ours-72b-awq", "ours-72b-gptq", "ours-gptq-onepass",
+        "ours-gptq-tf32")
 ALIASES = {"ours-72b": ("ours-72b-awq", "ours-72b-gptq"), "all-7b": JOBS[:4] + ("ours-gptq-onepass",)}
 LOG_TAIL_BYTES = 256 * 1024
 
@@ -63,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                               "put it on every job's PYTHONPATH")
     ap.add_argument("--ours-python", default=sys.executable)
     ap.add_argument("--peer-python", default=sys.executable)
+    ap.add_argument("--ours-extra", default="", help="extra arguments for bench/bench_ours.py (e.g. --keep-cache)")
     ap.add_argument("--job-timeout", type=int, default=0, help="seconds per job, 0 = none")
     args = ap.parse_args(argv)
     jobs: list[str] = []
@@ -164,7 +167,7 @@ def job_command(job: str, model: str, args) -> list[str]:
     method = job.split("-", 1)[1].removeprefix("72b-")  # awq | gptq | gptq-onepass
     if job.startswith("ours"):
         return [args.ours_python, str(ROOT / "bench" / "bench_ours.py"), str(write_recipe(method, model, args)),
-                "--out-root", str(args.work / "artifacts")]
+                "--out-root", str(args.work / "artifacts"), *args.ours_extra.split()]
     return [args.peer_python, str(ROOT / "bench" / "peers" / "llmc_bench.py"), "--method", method,
             "--model", model, "--out", str(args.work / "artifacts" / f"llmc-{method}-{Path(model).name}"),
             "--device", args.device, "--n-samples", str(args.n_samples), "--seq-len", str(args.seq_len),

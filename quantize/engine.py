@@ -207,10 +207,10 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
     return stats
 
 
-def _gptq_spec(recipe, scale_dtype: torch.dtype) -> gptq.GptqSpec:
+def gptq_spec(recipe, scale_dtype: torch.dtype) -> gptq.GptqSpec:
     o = recipe.gptq
     return gptq.GptqSpec(recipe.w_bit, recipe.q_group_size, not recipe.zero_point, o.block_size, o.damp_percent,
-                         o.act_order, scale_dtype, o.kernel)
+                         o.act_order, scale_dtype, o.kernel, o.update)
 
 
 def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype: torch.dtype,
@@ -220,10 +220,11 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
     local = _local(arch, data.index, convert)
     stages = arch.sequential if opts.true_sequential else (tuple(arch.linears),)
     feature_of = _feature_of(arch)
-    spec = _gptq_spec(recipe, scale_dtype)
+    spec = gptq_spec(recipe, scale_dtype)
     stats: dict = {}
     device = data.inputs[0].device
     seconds = {"hessian": 0.0, "sweep": 0.0}
+    losses: dict[str, torch.Tensor] = {}  # read back once per layer, not once per linear (each read waits)
     for stage in stages:
         names = [n for n in stage if n in local]
         if not names:
@@ -244,9 +245,12 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
             parts = zip(*([p.clone() for p in t.split(rows)] for t in (r.codes, r.scales, r.zeros, r.row_loss)))
             for n, (codes, scales, zeros, row_loss) in zip(shared, parts):
                 _store(layer, n, layer_prefix(arch, data.index), codes, scales.to(scale_dtype), zeros, results)
-                stats[n] = {"loss": row_loss.sum().item(), "damp": r.damp_used, "dead_columns": r.dead_columns,
-                            "kernel": r.kernel}
+                losses[n] = row_loss.sum()
+                stats[n] = {"damp": r.damp_used, "dead_columns": r.dead_columns, "kernel": r.kernel}
         seconds["sweep"] += _clock(device) - t1
+    if losses:
+        for n, loss in zip(losses, torch.stack(list(losses.values())).tolist()):
+            stats[n] = {"loss": loss, **stats[n]}
     stats["seconds"] = {k: round(v, 4) for k, v in seconds.items()}
     return stats
 

@@ -44,6 +44,7 @@ class GptqSpec:
     act_order: bool = False
     scale_dtype: torch.dtype = torch.float32  # scales are rounded to the stored dtype before codes are chosen
     kernel: str = "auto"  # in-block column sweep: torch | triton | auto (triton on CUDA when it imports)
+    update: str = "float32"  # cross-block update's matmul: float32 | tf32 (10-bit operands; see `lazy_update`)
 
 
 @dataclass
@@ -53,11 +54,15 @@ class GptqResult:
     codes: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
-    loss: float
     damp_used: float
     dead_columns: int
     row_loss: torch.Tensor
     kernel: str  # which sweep ran: torch | triton
+
+    @property
+    def loss(self) -> float:
+        """GPTQ's loss Σ err² / 2 (read from the device when asked: a read waits for the queued work)."""
+        return self.row_loss.sum().item()
 
 
 class HessianAccumulator:
@@ -67,19 +72,44 @@ class HessianAccumulator:
     out_dtype=float32)`): the products of half-precision values are exact in float32 and the sums run in
     float32, so this is the float32 product at the half-precision tensor-core rate (H200, 65,536 x 18,944
     bf16 inputs: 0.08 s, against 0.19 s for TF32 on a float32 copy). The raw sum is kept and scaled once.
+
+    Inputs at least `symmetric_min` wide (down_proj's): XᵀX is symmetric, so only the blocks on and above the
+    diagonal (`symmetric_block` square) are computed, ~0.6 of the GEMM work, and mirrored when H is read.
     """
+
+    symmetric_min = 8192
+    symmetric_block = 4096
 
     def __init__(self, in_features: int, device: torch.device | str = "cpu"):
         self._H = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
         self.n = 0
         self._raw = False  # _H holds Σ x xᵀ (scaled when read), not the running mean
+        self._upper = False  # only the upper block triangle of _H is current (mirrored when read)
 
     @property
     def H(self) -> torch.Tensor:
         if self._raw:
             self._H.mul_(2.0 / self.n)
             self._raw = False
+        if self._upper:
+            b = self.symmetric_block
+            for i in range(0, self._H.shape[0], b):
+                for j in range(i + b, self._H.shape[0], b):
+                    self._H[j : j + b, i : i + b] = self._H[i : i + b, j : j + b].t()
+            self._upper = False
         return self._H
+
+    def _add_gram(self, x: torch.Tensor, gram) -> None:
+        """_H += gram(a, b) = aᵀb over x's column blocks: one product, or the upper block triangle only."""
+        n = x.shape[1]
+        if n < self.symmetric_min:
+            self._H.add_(gram(x, x))
+            return
+        b = self.symmetric_block
+        for i in range(0, n, b):
+            for j in range(i, n, b):
+                self._H[i : i + b, j : j + b].add_(gram(x[:, i : i + b], x[:, j : j + b]))
+        self._upper = True
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1])  # [tokens, in]
@@ -87,7 +117,7 @@ class HessianAccumulator:
         if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and (self._raw or self.n == 0):
             self._raw = True
             self.n += t
-            self._H.add_(torch.mm(x.t(), x, out_dtype=torch.float32))
+            self._add_gram(x, lambda a, b: torch.mm(a.t(), b, out_dtype=torch.float32))
             return
         if self._raw:
             self.H  # noqa: B018 - scale the raw sum into the running mean before mixing in another dtype
@@ -95,13 +125,18 @@ class HessianAccumulator:
         self._H.mul_(self.n / (self.n + t))
         self.n += t
         x = x * (2.0 / self.n) ** 0.5
-        self._H.addmm_(x.t(), x)
+        self._add_gram(x, lambda a, b: a.t() @ b)
 
 
 def _factor_launch(H: torch.Tensor, lam: float, textbook: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One attempt of `_feedback_factor` at dampening λ -> (A, t, ok), ok a 0-dim bool tensor: the
     factorisation succeeded and A, t are finite. The host waits once, for the dampening scalar; the
     factorisation itself is only queued (on the current stream)."""
+    from . import warmup
+
+    # torch loads its CUDA linear-algebra library on the first call, not thread-safely ("lazy wrapper should be
+    # called at most once" on an H200 when the background warm-up's first Cholesky ran at the same time)
+    warmup.wait()
     Hd = H.clone()
     Hd.diagonal().add_(lam * torch.mean(torch.diagonal(H)).item())  # H + λ·mean(diag H)·I
     L, info = torch.linalg.cholesky_ex(Hd.flip(0, 1))
@@ -223,15 +258,14 @@ def _solve(p: _Problem, spec: GptqSpec, first: tuple | None = None) -> GptqResul
     A, t, lam = _feedback_factor(p.H, spec.damp, textbook=not spec.act_order, first=first)
     p.H = None  # free it before the sweep
     kernel = _choose_kernel(spec, p.W)
-    if kernel == "triton":
+    if kernel == "triton":  # the warm-up, which may compile this kernel, has finished (`_factor_launch` waited)
         from .gptq_triton import sweep_triton as sweep
     else:
         sweep = _sweep_torch
     W0 = p.W.clone() if spec.act_order else p.W  # d_i = W0_i − q_i: the weights before any feedback (LDLQ)
     codes, row_loss = sweep(p.W, W0, A, t, p.scales, p.zeros, p.gidx, p.g, spec)  # codes in visiting order
     inv = torch.argsort(p.perm)
-    return GptqResult(codes[:, inv].contiguous(), p.scales, p.zeros, row_loss.sum().item(), lam, p.dead,
-                      row_loss, kernel)
+    return GptqResult(codes[:, inv].contiguous(), p.scales, p.zeros, lam, p.dead, row_loss, kernel)
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: GptqSpec) -> GptqResult:
@@ -281,6 +315,36 @@ def _block_start_qparams(W: torch.Tensor, i1: int, g: int, gidx: list[int], scal
     return True
 
 
+def _tf32(x: torch.Tensor) -> torch.Tensor:
+    """x (float32) rounded to TF32's 10-bit mantissa (nearest, ties away), as tensor cores read it."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def lazy_update(W: torch.Tensor, i2: int, D1: torch.Tensor, A_rows: torch.Tensor, spec: GptqSpec) -> None:
+    """The sweep's cross-block update W[:, i2:] += D1 @ A_rows[:, i2:], in place (one GEMM that reads and writes
+    W[:, i2:] once: no product temporary and no separate add).
+
+    update float32: a float32 GEMM. update tf32 (float32 weights only): the operands are rounded to TF32 (10-bit
+    mantissa) and products summed in float32, on CUDA by the tensor cores (≈ 8x the float32 rate on an H200)
+    and elsewhere emulated by rounding the operands, so the CPU measures the same approximation.
+    """
+    rest, A = W[:, i2:], A_rows[:, i2:]
+    if spec.update == "float32" or W.dtype != torch.float32:
+        rest.addmm_(D1, A)
+    elif spec.update != "tf32":
+        raise ValueError(f"gptq update {spec.update!r} is unknown; use float32 or tf32")
+    elif W.is_cuda:
+        before = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            rest.addmm_(D1, A)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = before
+    else:
+        rest.addmm_(_tf32(D1), _tf32(A))
+
+
 def _sweep_torch(W: torch.Tensor, W0: torch.Tensor, A: torch.Tensor, t: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, gidx: list[int], g: int, spec: GptqSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """The column sweep with torch ops. W: [out, in] (visiting order, updated in place), W0: W before any
@@ -318,5 +382,5 @@ def _sweep_torch(W: torch.Tensor, W0: torch.Tensor, A: torch.Tensor, t: torch.Te
             Err1[:, i] = (w - deq) * t[i1 + i]
         codes[:, i1:i2] = Q1.to(torch.uint8)
         row_loss += Err1.pow(2).sum(dim=1) / 2
-        W[:, i2:] += D1 @ A[i1:i2, i2:]
+        lazy_update(W, i2, D1, A[i1:i2], spec)
     return codes, row_loss

@@ -13,7 +13,7 @@ tensors, but x * fl32(1/d) where torch on CUDA divides by a Python scalar d (as 
 round-half-to-even (as torch.round); no fused multiply-add (`enable_fp_fusion=False`), since torch rounds
 the product and the difference separately; and the lazy update's matmul called on operands of the same
 layout as in the torch sweep (cuBLAS may sum in another order for another layout). The lazy cross-block
-update `W[:, i2:] += D1 @ A[i1:i2, i2:]` stays a torch matmul. This module imports triton: `gptq` imports it only when the Triton sweep is wanted, so CPU-only
+update is the torch sweep's own (`gptq.lazy_update`). This module imports triton: `gptq` imports it only when the Triton sweep is wanted, so CPU-only
 installs without triton keep the torch sweep.
 """
 
@@ -129,7 +129,7 @@ def sweep_triton(W: torch.Tensor, W0: torch.Tensor, A: torch.Tensor, t: torch.Te
     """Drop-in for `gptq._sweep_torch`: W [out, in] visiting order, W0 its values before any update, A [in, in]
     upper, t [in], scales/zeros [out, n_group] read or filled in -> codes [out, in] uint8 (visiting order),
     row_loss [out]."""
-    from .gptq import _block_start_qparams
+    from .gptq import _block_start_qparams, lazy_update
 
     out_f, in_f = W.shape
     assert W.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()
@@ -152,5 +152,5 @@ def sweep_triton(W: torch.Tensor, W0: torch.Tensor, A: torch.Tensor, t: torch.Te
                           inv_d, MAX_Q=max_q, SYM=spec.sym, SCALE_KIND=_SCALE_KIND[spec.scale_dtype],
                           RECIP=W.device.type == "cuda", COMPUTE_GROUPS=not spec.act_order and g < i2 - i1,
                           FEED_ORIGINAL=spec.act_order, BLOCK_R=BLOCK_ROWS, BLOCK=block, num_warps=4, enable_fp_fusion=False)
-        W[:, i2:] += D1 @ A[i1:i2, i2:]
+        lazy_update(W, i2, D1, A[i1:i2], spec)
     return codes, row_loss

@@ -89,6 +89,9 @@ class GptqOptions(_Strict):
     true_sequential: bool = True  # q/k/v, then o, then gate/up, then down, each on quantized predecessors
     block_size: int = Field(128, gt=0)  # lazy-batch width of the column sweep
     kernel: Literal["auto", "torch", "triton"] = "auto"  # column sweep; auto = triton on CUDA when it imports
+    # the sweep's cross-block update: float32, or tf32 operands (10-bit mantissa; tensor cores on CUDA, emulated
+    # elsewhere). An approximation: its quality and speed are measured in docs/BENCHMARKS.md
+    update: Literal["float32", "tf32"] = "float32"
 
 
 class PerplexityOptions(_Strict):

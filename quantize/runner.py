@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from . import calib, export, modelcard, source
+from . import calib, export, modelcard, source, warmup
 from .arch import Arch, arch_for
 from .capture import run_shared
 from .checkpoint import Checkpointer, fingerprint
-from .engine import DTYPES, Job, feature_names, is_skipped, propagation
+from .engine import DTYPES, Job, feature_names, gptq_spec, is_skipped, propagation
 from .pack import pack_all
 from .lock import output_lock
 from .preflight import Plan, PreflightError, check_free_disk, human_bytes, plan, tied_embeddings
@@ -91,12 +91,13 @@ class Checked:
     calib_record: dict | None = None
 
 
-def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Timings) -> Checked:
+def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Timings, warm: bool = False) -> Checked:
     """Every check that needs no weights, in timed stages `preflight` and `calibrate` -> Checked.
 
     Output present (without force), untrusted custom code or pickle-only weights, unsupported architecture,
     shapes the format or vLLM's kernels cannot take, too little free disk for all outputs, too little
     calibration text: each raises its own error with what to change, before the model is loaded.
+    warm: once the checks have passed, start warming the compute device (`warmup`) for the run that follows.
     """
     if len({share_key(r) for r in recipes}) != 1:
         diff = [k for k in SHARED_KEYS if len({repr(r.to_dict()[k]) for r in recipes}) > 1]
@@ -121,6 +122,9 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
         log.info("pre-flight: %s free on the output's disk; computing on %s in %s", human_bytes(free), device,
                  str(compute_dtype).removeprefix("torch."))
     checked = Checked(src, config, arch, plans, device, compute_dtype, free)
+    if warm:
+        warmup.start(device, compute_dtype, [gptq_spec(r, DTYPES[r.dtype]) for r in recipes if r.method == "gptq"],
+                     warmup.head_dim(config))
     if any(r.method in ("awq", "gptq") for r in recipes):
         with timings.stage("calibrate"):
             checked.samples, checked.calib_record = _calibration(first, src)
@@ -176,12 +180,15 @@ def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: b
     with ExitStack() as locks:
         for out in outs:
             locks.enter_context(output_lock(out))
-        return _run_many(recipes, outs, force)
+        try:
+            return _run_many(recipes, outs, force)
+        finally:
+            warmup.wait()  # the device warm-up started by pre-flight leaves no thread behind
 
 
 def _run_many(recipes: list[Recipe], outs: list[Path], force: bool) -> list[Path]:
     timings = Timings()
-    pf = preflight(recipes, outs, force, timings)
+    pf = preflight(recipes, outs, force, timings, warm=True)
     first, device, compute_dtype = recipes[0], pf.device, pf.compute_dtype
     dtype = DTYPES[first.dtype]
     with timings.stage("load"):

@@ -23,6 +23,49 @@ def test_hessian_accumulator_matches_formula():
     assert acc.n == 512
 
 
+def test_hessian_upper_blocks_mirrored(monkeypatch):
+    # wide inputs: only the upper block triangle of XᵀX is computed; H as read is the full symmetric matrix
+    monkeypatch.setattr(gptq.HessianAccumulator, "symmetric_min", 64)
+    monkeypatch.setattr(gptq.HessianAccumulator, "symmetric_block", 48)  # 130 = 48 + 48 + 34: a ragged last block
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 130, generator=g, dtype=torch.float64).float()
+    acc = gptq.HessianAccumulator(130)
+    for chunk in x.split(70):
+        acc.add(chunk)
+    assert acc._upper
+    H = acc.H
+    assert torch.equal(H, H.t())
+    assert torch.allclose(H, 2 * x.t() @ x / 300, rtol=1e-4, atol=1e-4)
+    assert torch.equal(acc.H, H)  # reading again changes nothing
+
+
+def test_tf32_update_is_close_but_not_float32():
+    g = torch.Generator().manual_seed(4)
+    assert gptq._tf32(torch.tensor([1 + 2**-11, 1 + 2**-12, 1 + 2**-10, -3.0])).tolist() == [1 + 2**-10, 1.0,
+                                                                                              1 + 2**-10, -3.0]
+    W, D1, A = (torch.randn(*s, generator=g) for s in ((16, 96), (16, 32), (32, 96)))
+    exact, approx = W.clone(), W.clone()
+    gptq.lazy_update(exact, 40, D1, A, gptq.GptqSpec(4, 32, True))
+    gptq.lazy_update(approx, 40, D1, A, gptq.GptqSpec(4, 32, True, update="tf32"))
+    assert torch.equal(exact[:, :40], W[:, :40]) and torch.allclose(exact[:, 40:], W[:, 40:] + D1 @ A[:, 40:],
+                                                                    atol=1e-5)
+    err = (approx - exact).abs().max().item()
+    assert 0 < err < 3e-2  # operands carry 11 significant bits: |D1 @ A| ~ 6, relative 2^-11 per product
+    with pytest.raises(ValueError, match="update 'bf16' is unknown"):
+        gptq.lazy_update(W, 40, D1, A, gptq.GptqSpec(4, 32, True, update="bf16"))
+
+
+def test_tf32_update_keeps_gptq_loss():
+    # the approximation moves a few codes and GPTQ's loss by far less than GPTQ gains over round-to-nearest
+    w, x, acc = _data(out_f=64, in_f=256)
+    spec = gptq.GptqSpec(4, 32, True, block_size=32, act_order=True)
+    exact = gptq.gptq_quantize(w, acc.H, spec)
+    approx = gptq.gptq_quantize(w, acc.H, gptq.GptqSpec(4, 32, True, block_size=32, act_order=True, update="tf32"))
+    changed = (approx.codes != exact.codes).float().mean().item()
+    assert 0 < changed < 0.02
+    assert approx.loss == pytest.approx(exact.loss, rel=0.01)
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group", [32, -1])

@@ -1,0 +1,76 @@
+"""First-use costs of the CUDA path, paid on a background thread while the run tokenizes, loads and captures.
+
+The first decoder layer of a GPU run used to take 1.5 s with a warm Triton cache and 3.2-4.5 s on a fresh
+machine, against 0.5 s for the others (H200, 7B shape, docs/BENCHMARKS.md): library and kernel loading
+(cuBLAS, cuSOLVER, attention), importing triton and, on a fresh machine, compiling the GPTQ sweep kernel.
+`start` runs small instances of those calls on a daemon thread as soon as pre-flight has passed; GPTQ `wait`s
+for it before its first factorisation (torch loads its CUDA linear-algebra library lazily and not
+thread-safely, and the Triton kernel must not be compiled twice at once), and the run waits for it before
+returning. A failure here only logs: the run then pays the cost itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+_thread: threading.Thread | None = None
+
+
+def start(device: torch.device, dtype: torch.dtype, gptq_specs: list, head_dim: int | None) -> None:
+    """Begin warming `device` (CUDA only) for a pass in `dtype` with these GPTQ specs (`gptq.GptqSpec`)."""
+    global _thread
+    if device.type != "cuda" or _thread is not None:
+        return
+    _thread = threading.Thread(target=_warm, args=(device, dtype, gptq_specs, head_dim), name="cuda-warmup",
+                               daemon=True)
+    _thread.start()
+
+
+def wait() -> None:
+    """Block until the warm-up (if any) has finished; returns at once on the warm-up thread itself."""
+    global _thread
+    t = _thread
+    if t is not None and t is not threading.current_thread():
+        t.join()
+        _thread = None
+
+
+def head_dim(config) -> int | None:
+    c = config.get_text_config()
+    heads = getattr(c, "num_attention_heads", None)
+    return getattr(c, "head_dim", None) or (c.hidden_size // heads if heads else None)
+
+
+def _warm(device: torch.device, dtype: torch.dtype, gptq_specs: list, head_dim: int | None) -> None:
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad(), (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
+            g = torch.Generator(device).manual_seed(0)
+            x = torch.randn(256, 256, device=device, dtype=dtype, generator=g)
+            F.silu(F.linear(x, x)).float().pow(2).mean(-1).rsqrt()  # a layer's GEMM and elementwise kernels
+            if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+                torch.mm(x.t(), x, out_dtype=torch.float32)  # the Hessian GEMM
+            if head_dim:
+                q = torch.randn(1, 2, 64, head_dim, device=device, dtype=dtype, generator=g)
+                F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            for spec in gptq_specs:  # factorisation, sweep (Triton compile on a fresh machine) and export helpers
+                from .gptq import gptq_quantize
+
+                # sizes with the real ones' divisibility by 16, which Triton specialises its kernel on
+                cols = 2 * max(128, spec.block_size, spec.group)
+                w = torch.randn(32, cols, device=device, generator=g)
+                h = torch.randn(2 * cols, cols, device=device, generator=g)
+                gptq_quantize(w, h.t() @ h, spec)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        log.debug("CUDA warm-up done in %.2f s", time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - a warm-up failure costs only the time it would have saved
+        log.warning("CUDA warm-up failed (the run continues and pays the first-use costs itself): %s", e)

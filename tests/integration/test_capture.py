@@ -1,0 +1,28 @@
+"""The calibration loop's first step: layer-0 inputs from the embeddings, without touching the model."""
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from quantize.arch import arch_for
+from quantize.capture import first_layer_inputs
+from tests.conftest import build_tiny_model
+
+
+def test_first_layer_inputs_leave_the_model_as_it_was(tmp_path):
+    d = build_tiny_model(tmp_path / "m", "llama", layers=2)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    arch = arch_for(model.config)
+    emb, rot = model.model.embed_tokens, model.model.rotary_emb
+    weight, inv_freq = emb.weight, rot.inv_freq
+    ids = torch.randint(0, 512, (3, 16), generator=torch.Generator().manual_seed(0))
+    inputs, kwargs = first_layer_inputs(model, arch, ids, torch.device("cpu"), torch.bfloat16, batch_size=2)
+    # the computation ran in the compute dtype, on copies; the model keeps its own modules and tensors
+    assert [x.shape for x in inputs] == [(2, 16, 256), (1, 16, 256)] and inputs[0].dtype == torch.bfloat16
+    assert torch.equal(torch.cat(inputs), weight[ids].to(torch.bfloat16))
+    assert model.model.embed_tokens is emb and emb.weight is weight and weight.dtype == torch.float32
+    assert model.model.rotary_emb is rot and rot.inv_freq is inv_freq
+    # positions come from the float32 frequencies (as the model serves them), handed over in the compute dtype
+    cos, _ = kwargs[0]["position_embeddings"]
+    assert cos.dtype == torch.bfloat16
+    want, _ = rot(inputs[0], torch.arange(16)[None])
+    assert torch.equal(cos, want)
