@@ -236,7 +236,11 @@ def run_shared(
     return p.notes, seconds
 
 
-EMPTY_CACHE_PER_LAYER = True  # hand the allocator's cached blocks back to CUDA after every layer
+# Hand the allocator's cached blocks back to CUDA after every layer? No: measured on an H200 (7B shape) keeping
+# them was faster (AWQ 0.874 -> 0.858 s per layer, GPTQ 0.448 -> 0.441) with a lower peak reserved (AWQ 24.5 ->
+# 23.7 GiB), as every layer asks for the same block sizes; and the allocator frees its cache itself before it
+# would report out-of-memory.
+EMPTY_CACHE_PER_LAYER = False
 
 
 def _layers(p: "_SharedPass", layers, start_at: int, start: float, checkpointer, jobs, device) -> None:
