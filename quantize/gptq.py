@@ -277,6 +277,18 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: GptqSpec) -> GptqResul
     return _solve(_prepare(W, H, spec), spec)
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One side stream per device for the whole process. The caching allocator keeps a pool per stream: a new
+    stream per layer left each layer's freed factorisation blocks unusable by the next (H200, 7B shape, one
+    pass: 138.6 GiB reserved for 16.3 GiB allocated)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
 def gptq_quantize_many(problems: list[tuple[torch.Tensor, torch.Tensor]], spec: GptqSpec) -> list[GptqResult]:
     """Several independent (W, H) problems (e.g. every linear of a layer whose Hessians came from one
     forward) -> their results, each exactly what `gptq_quantize` gives.
@@ -288,7 +300,7 @@ def gptq_quantize_many(problems: list[tuple[torch.Tensor, torch.Tensor]], spec: 
         return [gptq_quantize(W, H, spec) for W, H in problems]
     big = max(range(len(problems)), key=lambda i: problems[i][1].shape[0])
     main = torch.cuda.current_stream(problems[big][0].device)
-    side = torch.cuda.Stream(problems[big][0].device)
+    side = _side_stream(problems[big][0].device)
     p_big = _prepare(*problems[big], spec)
     side.wait_stream(main)
     with torch.cuda.stream(side):
