@@ -26,3 +26,26 @@ def test_first_layer_inputs_leave_the_model_as_it_was(tmp_path):
     assert cos.dtype == torch.bfloat16
     want, _ = rot(inputs[0], torch.arange(16)[None])
     assert torch.equal(cos, want)
+
+
+def test_cache_released_only_when_much_sits_unused(monkeypatch):
+    from types import SimpleNamespace
+
+    from quantize import capture
+
+    released = []
+    gib = 2**30
+    state = {"reserved": 30 * gib, "allocated": 20 * gib}
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=140 * gib))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(True))
+    capture._release_cache(torch.device("cuda"))  # 10 GiB unused of 140: kept for the next layer
+    assert released == []
+    state["reserved"] = 40 * gib  # 20 GiB unused: more than 10 % of the device
+    capture._release_cache(torch.device("cuda"))
+    assert released == [True]
+    monkeypatch.setattr(capture, "EMPTY_CACHE_PER_LAYER", True)
+    state["reserved"] = 21 * gib
+    capture._release_cache(torch.device("cuda"))
+    assert released == [True, True]

@@ -232,3 +232,13 @@ def test_quantize_many_equals_separate_calls():
         alone = gptq.gptq_quantize(w, H, spec)
         assert torch.equal(r.codes, alone.codes) and torch.equal(r.scales, alone.scales)
         assert torch.equal(r.zeros, alone.zeros) and r.loss == alone.loss
+
+
+def test_one_side_stream_per_device(monkeypatch):
+    # the caching allocator pools blocks per stream: a fresh stream per layer would strand each layer's blocks
+    made = []
+    monkeypatch.setattr(gptq, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or object())
+    a, b = (gptq._side_stream(torch.device("cuda", 0)) for _ in range(2))
+    c = gptq._side_stream(torch.device("cuda", 1))
+    assert a is b and c is not a and len(made) == 2
