@@ -214,8 +214,6 @@ def run_shared(
     layers = decoder_layers(model, arch)
     p = _SharedPass(arch, device, compute_dtype, feature_names, jobs, _Uploader(layers, device))
     start_at = 0
-    if checkpointer is None:
-        p.uploader.request(0, p.dtype)  # layer 0 travels while the embeddings make its inputs
     if any(j.propagate != "none" for j in jobs):
         p.inputs, p.kwargs = first_layer_inputs(model, arch, samples, device, compute_dtype, batch_size)
         p.chains = {n: p.inputs for n, j in enumerate(jobs) if j.propagate == "quantized"}  # by position in jobs
