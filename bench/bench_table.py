@@ -71,9 +71,10 @@ def table(report: dict) -> str:
     for name, b in report["builds"].items():
         built = f"{b['params'] / 1e9:.2f} B params, build {b['build_s']} s{' (reused)' if b['reused'] else ''}"
         lines.append(f"checkpoint {name}: {built if b['ok'] else 'BUILD FAILED'}")
-    for method, title in (("awq", "AWQ"), ("gptq", "GPTQ"), ("gptq-onepass", "GPTQ one pass (true_seq off)")):
+    for method, title in (("awq", "AWQ"), ("gptq", "GPTQ"), ("gptq-warm", "GPTQ re-run (Triton cache warm)"),
+                          ("gptq-onepass", "GPTQ one pass (true_seq off)"), ("gptq-tf32", "GPTQ update tf32")):
         ours, peer = runs.get(f"ours-{method}"), runs.get(f"llmc-{method.split('-')[0]}")
-        if ours or (peer and method != "gptq-onepass"):
+        if ours or (peer and method in ("awq", "gptq")):
             lines += [""] + _pair(title, ours, peer)
     big = [(j, r) for j, r in runs.items() if "72b" in j]
     if big:

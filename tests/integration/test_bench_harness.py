@@ -44,13 +44,17 @@ def test_bench_ours_reads_every_stage_and_layer(tiny_qwen2, tmp_path):
 def test_job_selection(tmp_path):
     assert gpu_bench.parse_args(["--only", "llmc-gptq,ours-72b"]).jobs == ["llmc-gptq", "ours-72b-awq",
                                                                            "ours-72b-gptq"]
-    assert gpu_bench.parse_args([]).jobs == ["ours-awq", "ours-gptq", "llmc-awq", "llmc-gptq", "ours-gptq-onepass"]
+    assert gpu_bench.parse_args([]).jobs == ["ours-gptq", "ours-gptq-warm", "ours-gptq-onepass", "ours-awq",
+                                             "llmc-gptq", "llmc-awq"]
     args = gpu_bench.parse_args(["--batch-size", "32", "--work", str(tmp_path)])
     # the one-pass GPTQ job runs its own recipe; --batch-size reaches every recipe we write
     cmd = gpu_bench.job_command("ours-gptq-onepass", "/m", args)
     written = yaml.safe_load(Path(cmd[2]).read_text())
     assert written["base"].endswith("bench-gptq-onepass-g128.yaml") and written["batch_size"] == 32
     assert yaml.safe_load(Path(written["base"]).read_text())["gptq"]["true_sequential"] is False
+    # the warm re-run is the default GPTQ recipe again
+    warm = yaml.safe_load(Path(gpu_bench.job_command("ours-gptq-warm", "/m", args)[2]).read_text())
+    assert warm["base"].endswith("bench-gptq-g128.yaml")
     with pytest.raises(SystemExit):
         gpu_bench.parse_args(["--only", "ours-awk"])
 
