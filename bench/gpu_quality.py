@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path, required=True, help="a tree of the pre-speed-change code (see above)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu-quality")) / "quality")
     ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-quality"))
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=1200, help="training steps of 32 x 512 tokens")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (use few --steps)")
     ap.add_argument("--n-samples", type=int, default=128, help="calibration blocks of 512 tokens")
     ap.add_argument("--windows", type=int, default=200, help="held-out windows scored")
