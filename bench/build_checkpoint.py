@@ -31,6 +31,12 @@ TINY = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, 
         "vocab_size": TOKENIZER_VOCAB, "num_hidden_layers": 2, "bos_token_id": 1, "eos_token_id": 2}  # the tokenizer's
 
 
+def copy_tokenizer(out: Path) -> None:
+    """Put the bundled tokenizer's files beside a checkpoint saved in `out`."""
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy(f, out / f.name)
+
+
 def shaped_config(config_dir: Path, layers: int | None, tiny: bool):
     """The published config, optionally cut to `layers` decoder layers or shrunk to the tiny shape."""
     cfg = AutoConfig.from_pretrained(config_dir)
@@ -72,8 +78,7 @@ def build(config_dir: Path, out: Path, layers: int | None, tiny: bool, device: s
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, max_shard_size="5GB")
     del model
-    for f in TOKENIZER_DIR.iterdir():
-        shutil.copy(f, tmp / f.name)
+    copy_tokenizer(tmp)
     record = {"spec": spec, "params": params, "build_s": round(time.perf_counter() - t0, 1)}
     (tmp / "build.json").write_text(json.dumps(record, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)

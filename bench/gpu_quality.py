@@ -26,7 +26,6 @@ import logging
 import math
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -41,7 +40,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-TOKENIZER_DIR = ROOT / "bench" / "assets" / "tokenizer"
+from bench.build_checkpoint import TOKENIZER_DIR, copy_tokenizer  # noqa: E402
+
 SEQ = 512  # training and scoring window
 log = logging.getLogger("gpu_quality")
 
@@ -67,12 +67,12 @@ def _ids(tok, texts: list[str]) -> torch.Tensor:
     return torch.tensor(out)
 
 
-def train(out: Path, steps: int, device: str) -> dict:
+def train(out: Path, files: tuple[list[str], list[str], dict], steps: int, device: str) -> dict:
     """Train the small Llama, keep the best held-out weights, save them (bf16) with the tokenizer -> record."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    train_files, held_files, record = corpus()
+    train_files, held_files, record = files
     ids, held = _ids(tok, train_files), _ids(tok, held_files)
     seq, batch = SEQ, 32
     held_wins = held[: (held.numel() // seq) * seq].reshape(-1, seq)[:32].to(device)
@@ -102,16 +102,17 @@ def train(out: Path, steps: int, device: str) -> dict:
         if step % 100 == 0 or step == steps:
             model.eval()
             with torch.no_grad(), torch.autocast(device_type=device, dtype=torch.bfloat16):
-                held_loss = sum(model(input_ids=w[None], labels=w[None]).loss.item() for w in held_wins) / len(held_wins)
+                losses = [model(input_ids=w[None], labels=w[None]).loss.item() for w in held_wins]
+                held_loss = sum(losses) / len(losses)
             model.train()
             curve.append({"step": step, "train_loss": round(loss.item(), 4), "held_loss": round(held_loss, 4)})
             log.info("train step %d/%d: loss %.3f, held-out %.3f", step, steps, loss.item(), held_loss)
             if held_loss < best:
-                best, best_state = held_loss, {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+                best = held_loss
+                best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     model.load_state_dict(best_state)
     model.to(torch.bfloat16).save_pretrained(out)
-    for f in TOKENIZER_DIR.iterdir():
-        shutil.copy(f, out / f.name)
+    copy_tokenizer(out)
     params = sum(p.numel() for p in model.parameters())
     return {"params": params, "steps": steps, "seconds": round(time.perf_counter() - t0, 1), "best_held_loss": best,
             "curve": curve, "corpus": record, "train_tokens": ids.numel(), "held_tokens": held.numel()}
@@ -142,9 +143,9 @@ def start_baseline(baseline: Path, path: Path, out_root: Path, log_dir: Path) ->
     this repository)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(baseline)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p) != ROOT]))
-    fh = (log_dir / f"{path.stem}.log").open("w")
-    return subprocess.Popen([sys.executable, "-m", "quantize", "run", str(path), "--out", str(out_root), "--force",
-                             "--no-eval"], cwd=baseline, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    with (log_dir / f"{path.stem}.log").open("w") as fh:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", "quantize", "run", str(path), "--out", str(out_root),
+                                 "--force", "--no-eval"], cwd=baseline, env=env, stdout=fh, stderr=subprocess.STDOUT)
 
 
 def score(model, wins: torch.Tensor) -> float:
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         (args.out / "quality.json").write_text(json.dumps(report, indent=2) + "\n")
 
-    report["training"] = train(model_dir, args.steps, args.device)
+    files = corpus()
+    report["training"] = train(model_dir, files, args.steps, args.device)
     save()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     from eval.perplexity import Protocol, windows
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    wins = windows(tok, "\n\n".join(corpus()[1]), Protocol(seq_len=SEQ, max_windows=args.windows))
+    wins = windows(tok, "\n\n".join(files[1]), Protocol(seq_len=SEQ, max_windows=args.windows))
     report["eval"] = {"text": "the held-out standard-library files, joined with blank lines",
                       "windows": int(wins.shape[0]), "seq_len": SEQ, "dtype": "float32"}
     fp = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device).eval()
@@ -223,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s: %s", name, rec)
         save()
     lines = [f"FP ppl {report['fp_ppl']:.4f} ({wins.shape[0]} held-out windows of {SEQ})",
-             f"| code | variant | ppl, seeds {' / '.join(map(str, seeds))} | mean Δ | spread |", "|---|---|---|---:|---:|"]
+             f"| code | variant | ppl, seeds {' / '.join(map(str, seeds))} | mean Δ | spread |",
+             "|---|---|---|---:|---:|"]
     for label, code, _ in variants:
         ppls = [report["runs"][f"{code}-{label}-s{s}"].get("ppl") for s in seeds]
         if None in ppls:
