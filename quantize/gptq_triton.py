@@ -13,8 +13,8 @@ tensors, but x * fl32(1/d) where torch on CUDA divides by a Python scalar d (as 
 round-half-to-even (as torch.round); no fused multiply-add (`enable_fp_fusion=False`), since torch rounds
 the product and the difference separately; and the lazy update's matmul called on operands of the same
 layout as in the torch sweep (cuBLAS may sum in another order for another layout). The lazy cross-block
-update is the torch sweep's own (`gptq.lazy_update`). This module imports triton: `gptq` imports it only when the Triton sweep is wanted, so CPU-only
-installs without triton keep the torch sweep.
+update is the torch sweep's own (`gptq.lazy_update`). This module imports triton: `gptq` imports it only
+when the Triton sweep is wanted, so CPU-only installs without triton keep the torch sweep.
 """
 
 from __future__ import annotations
@@ -151,6 +151,7 @@ def sweep_triton(W: torch.Tensor, W0: torch.Tensor, A: torch.Tensor, t: torch.Te
                           D1.stride(0), scales, zeros, scales.stride(0), gidx_t, row_loss, out_f, i2 - i1, i1, g,
                           inv_d, MAX_Q=max_q, SYM=spec.sym, SCALE_KIND=_SCALE_KIND[spec.scale_dtype],
                           RECIP=W.device.type == "cuda", COMPUTE_GROUPS=not spec.act_order and g < i2 - i1,
-                          FEED_ORIGINAL=spec.act_order, BLOCK_R=BLOCK_ROWS, BLOCK=block, num_warps=4, enable_fp_fusion=False)
+                          FEED_ORIGINAL=spec.act_order, BLOCK_R=BLOCK_ROWS, BLOCK=block, num_warps=4,
+                          enable_fp_fusion=False)
         lazy_update(W, i2, D1, A[i1:i2], spec)
     return codes, row_loss

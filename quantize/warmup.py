@@ -61,7 +61,7 @@ def _warm(device: torch.device, dtype: torch.dtype, gptq_specs: list, head_dim: 
             if head_dim:
                 q = torch.randn(1, 2, 64, head_dim, device=device, dtype=dtype, generator=g)
                 F.scaled_dot_product_attention(q, q, q, is_causal=True)
-            for spec in gptq_specs:  # factorisation, sweep (Triton compile on a fresh machine) and export helpers
+            for spec in gptq_specs:  # factorisation and sweep (the Triton compile, on a fresh machine)
                 from .gptq import gptq_quantize
 
                 # sizes with the real ones' divisibility by 16, which Triton specialises its kernel on
