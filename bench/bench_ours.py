@@ -26,6 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from quantize import precompile  # noqa: E402 - standard library only
+
+if __name__ == "__main__" and len(sys.argv) > 1 and not sys.argv[1].startswith("-"):
+    precompile.spawn(["run", sys.argv[1]])  # as `python -m quantize run` does, before torch is imported
+
 import torch  # noqa: E402
 
 from quantize import runner  # noqa: E402
@@ -111,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         "calibration": man["calibration"], "stages_s": man["timings_s"],
         "run_s": round(run_s, 2),
         "process_s": round(time.perf_counter() - T0, 2), "per_layer": per_layer(log_times.layers),
+        "precompile": precompile.outcome,
         "peak_gpu_alloc_gib": round(torch.cuda.max_memory_allocated() / gib, 2) if cuda else None,
         "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / gib, 2) if cuda else None,
         "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),

@@ -6,7 +6,9 @@ machine, against 0.5 s for the others (H200, 7B shape, docs/BENCHMARKS.md): libr
 `start` runs small instances of those calls on a daemon thread as soon as pre-flight has passed; GPTQ `wait`s
 for it before its first factorisation (torch loads its CUDA linear-algebra library lazily and not
 thread-safely, and the Triton kernel must not be compiled twice at once), and the run waits for it before
-returning. A failure here only logs: the run then pays the cost itself.
+returning. A failure here only logs: the run then pays the cost itself. On a fresh machine the Triton compile is
+done by a child process the command line starts before it imports torch (`precompile`); the thread waits for
+that child before its own GPTQ calls, which then load the kernel from Triton's cache.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from . import precompile
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,20 @@ def head_dim(config) -> int | None:
     return getattr(c, "head_dim", None) or (c.hidden_size // heads if heads else None)
 
 
+def sweeps(device: torch.device, gptq_specs: list, generator: torch.Generator | None = None) -> None:
+    """One small GPTQ solve per spec on `device`: factorisation and sweep (the Triton compile, on a fresh
+    machine). Also what the pre-compile child (`precompile`) runs, so that its compile is this one's."""
+    from .gptq import gptq_quantize
+
+    g = generator or torch.Generator(device).manual_seed(0)
+    for spec in gptq_specs:
+        # sizes with the real ones' divisibility by 16, which Triton specialises its kernel on
+        cols = 2 * max(128, spec.block_size, spec.group)
+        w = torch.randn(32, cols, device=device, generator=g)
+        h = torch.randn(2 * cols, cols, device=device, generator=g)
+        gptq_quantize(w, h.t() @ h, spec)
+
+
 def _warm(device: torch.device, dtype: torch.dtype, gptq_specs: list, head_dim: int | None) -> None:
     t0 = time.perf_counter()
     try:
@@ -61,14 +79,8 @@ def _warm(device: torch.device, dtype: torch.dtype, gptq_specs: list, head_dim: 
             if head_dim:
                 q = torch.randn(1, 2, 64, head_dim, device=device, dtype=dtype, generator=g)
                 F.scaled_dot_product_attention(q, q, q, is_causal=True)
-            for spec in gptq_specs:  # factorisation and sweep (the Triton compile, on a fresh machine)
-                from .gptq import gptq_quantize
-
-                # sizes with the real ones' divisibility by 16, which Triton specialises its kernel on
-                cols = 2 * max(128, spec.block_size, spec.group)
-                w = torch.randn(32, cols, device=device, generator=g)
-                h = torch.randn(2 * cols, cols, device=device, generator=g)
-                gptq_quantize(w, h.t() @ h, spec)
+            precompile.wait()  # a child compiling the Triton sweep (started by the CLI): load, not compile, it
+            sweeps(device, gptq_specs, g)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         log.debug("CUDA warm-up done in %.2f s", time.perf_counter() - t0)
