@@ -52,8 +52,11 @@ def spawn(argv: list[str]) -> subprocess.Popen | None:
         return None
     _stderr = tempfile.TemporaryFile()
     _started = time.perf_counter()
-    _child = subprocess.Popen([sys.executable, "-m", __name__, *argv], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=_stderr)
+    # the child imports this package from where the parent did (a source tree run from elsewhere included)
+    home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [home, os.environ.get("PYTHONPATH")])))
+    _child = subprocess.Popen([sys.executable, "-m", "quantize.precompile", *argv], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=_stderr, env=env)
     atexit.register(_stop)  # a run that fails early does not leave the child compiling behind it
     return _child
 

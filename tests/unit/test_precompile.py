@@ -43,9 +43,11 @@ def test_gpu_visible_respects_cuda_visible_devices(monkeypatch):
     assert not precompile.gpu_visible()
 
 
-def test_spawned_child_on_a_cpu_host_compiles_nothing_and_says_why(monkeypatch, caplog):
-    # the real child process, started as the CLI starts it; here torch sees no CUDA device
+def test_spawned_child_on_a_cpu_host_compiles_nothing_and_says_why(monkeypatch, caplog, tmp_path):
+    # the real child process, started as the CLI starts it (from another directory); here torch sees no CUDA device
     monkeypatch.setattr(precompile, "gpu_visible", lambda: True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     child = precompile.spawn(["run", "smollm2-gptq-g64", "--force"])
     assert child is not None and child.args[1:3] == ["-m", "quantize.precompile"]
     with caplog.at_level(logging.INFO, logger="quantize.precompile"):
