@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
         "runner": "ours", "recipe": man["recipe"]["name"], "method": man["recipe"]["method"],
         "artifact": str(art), "device": man["device"], "compute_dtype": man["compute_dtype"],
         "gpu": torch.cuda.get_device_name(0) if cuda else None, "versions": versions(),
-        "calibration": man["calibration"], "stages_s": man["timings_s"],
+        "calibration": man["calibration"], "stages_s": man["timings_s"], "cuda_allocator": man.get("cuda_allocator"),
         "run_s": round(run_s, 2),
         "process_s": round(time.perf_counter() - T0, 2), "per_layer": per_layer(log_times.layers),
         "precompile": precompile.outcome,

@@ -16,7 +16,7 @@ import torch
 
 from . import calib, export, modelcard, source, warmup
 from .arch import Arch, arch_for
-from .capture import run_shared
+from .capture import configure_allocator, run_shared
 from .checkpoint import Checkpointer, fingerprint
 from .engine import DTYPES, Job, feature_names, gptq_spec, is_skipped, propagation
 from .pack import pack_all
@@ -89,6 +89,7 @@ class Checked:
     free_bytes: int  # on the disk that will hold the artifacts
     samples: torch.Tensor | None = None  # calibration input_ids [n_samples, seq_len] (awq, gptq)
     calib_record: dict | None = None
+    cuda_allocator: str | None = None  # the CUDA allocator settings the run used (`capture.configure_allocator`)
 
 
 def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Timings, warm: bool = False) -> Checked:
@@ -123,6 +124,7 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
                  str(compute_dtype).removeprefix("torch."))
     checked = Checked(src, config, arch, plans, device, compute_dtype, free)
     if warm:
+        checked.cuda_allocator = configure_allocator(device)  # before the warm-up's first CUDA allocation
         warmup.start(device, compute_dtype, [gptq_spec(r, DTYPES[r.dtype]) for r in recipes if r.method == "gptq"],
                      warmup.head_dim(config))
     if any(r.method in ("awq", "gptq") for r in recipes):
@@ -196,7 +198,8 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool) -> list[Path
         model = source.load_model(pf.src, storage_dtype, first.trust_remote_code)
         tied = tied_embeddings(model)
     jobs = [Job(r, pf.arch, set(p.convert), dtype) for r, p in zip(recipes, pf.plans)]
-    provenance = {"versions": _versions(), "git": git_commit()}  # once per run: git status is a subprocess
+    # once per run: git status is a subprocess
+    provenance = {"versions": _versions(), "git": git_commit(), "cuda_allocator": pf.cuda_allocator}
     ckpt = _checkpointer(recipes, outs[0], pf, provenance)
     with timings.stage("quantize"):
         numerics, pass_seconds = run_shared(model, pf.arch, pf.samples, device, compute_dtype, first.batch_size,
@@ -289,6 +292,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, *, 
             f"{recipe.method}_stats": {str(k): v for k, v in job.stats.items()},
             "shared_pass": shared,
             "device": str(device), "compute_dtype": str(compute_dtype).removeprefix("torch."),
+            "cuda_allocator": provenance["cuda_allocator"],
             "versions": provenance["versions"], "git": provenance["git"],
             "timings_s": {**stages, "export": round(time.perf_counter() - t0, 3)},
             "pass_seconds": pass_seconds,  # where the quantize stage's time went (device upload, FP forwards, jobs)

@@ -49,3 +49,24 @@ def test_cache_released_only_when_much_sits_unused(monkeypatch):
     state["reserved"] = 21 * gib
     capture._release_cache(torch.device("cuda"))
     assert released == [True, True]
+
+
+def test_allocator_expandable_on_cuda_unless_the_user_chose(monkeypatch):
+    from quantize import capture
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.delenv(capture.ALLOC_ENV, raising=False)
+    assert capture.configure_allocator(torch.device("cpu")) is None and calls == []
+    assert capture.configure_allocator(torch.device("cuda")) == "expandable_segments:True"
+    assert calls == ["expandable_segments:True"]
+    # the user's PYTORCH_CUDA_ALLOC_CONF wins and is what the manifest records
+    monkeypatch.setenv(capture.ALLOC_ENV, "expandable_segments:False")
+    assert capture.configure_allocator(torch.device("cuda")) == "expandable_segments:False"
+    assert calls == ["expandable_segments:True"]
+    # an older torch without the accelerator-wide setter: the CUDA one
+    monkeypatch.delenv(capture.ALLOC_ENV)
+    monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings")
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda s: calls.append(("cuda", s)))
+    capture.configure_allocator(torch.device("cuda"))
+    assert calls[-1] == ("cuda", "expandable_segments:True")
