@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
         "runner": "ours", "recipe": man["recipe"]["name"], "method": man["recipe"]["method"],
         "artifact": str(art), "device": man["device"], "compute_dtype": man["compute_dtype"],
         "gpu": torch.cuda.get_device_name(0) if cuda else None, "versions": versions(),
+        "gpu_total_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2) if cuda else None,
         "calibration": man["calibration"], "stages_s": man["timings_s"], "cuda_allocator": man.get("cuda_allocator"),
         "run_s": round(run_s, 2),
         "process_s": round(time.perf_counter() - T0, 2), "per_layer": per_layer(log_times.layers),
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / gib, 2) if cuda else None,
         "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "artifact_bytes": sum(f.stat().st_size for f in art.iterdir() if f.is_file()),
+        "weights_sha256": {n: f["sha256"] for n, f in man["files"].items() if n.endswith(".safetensors")},
         "pass_seconds": man.get("pass_seconds"),
         "method_seconds": method_seconds(man.get(f"{man['recipe']['method']}_stats") or {}),
     }

@@ -59,8 +59,8 @@ def _big(job: str, r: dict) -> list[str]:
     e = r.get("extrapolated") or {}
     return [f"{job}: {e.get('measured_layers')} layers measured, {_fmt(e.get('per_layer_s'))} s/layer -> "
             f"quantize ~{_fmt(e.get('quantize_s'))} s for {e.get('total_layers')} layers; peak GPU alloc "
-            f"{_fmt(r['peak_gpu_alloc_gib'])} GiB (reserved {_fmt(r['peak_gpu_reserved_gib'])}), "
-            f"peak RSS {_fmt(r['peak_rss_gib'])} GiB"]
+            f"{_fmt(r['peak_gpu_alloc_gib'])} GiB (reserved {_fmt(r['peak_gpu_reserved_gib'])}; all layers: at most "
+            f"{_fmt(e.get('peak_gpu_alloc_bound_gib'))}), peak RSS {_fmt(r['peak_rss_gib'])} GiB"]
 
 
 def table(report: dict) -> str:

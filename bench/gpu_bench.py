@@ -178,13 +178,22 @@ def job_command(job: str, model: str, args) -> list[str]:
 
 
 def extrapolate(record: dict, total_layers: int) -> dict:
-    """Our per-layer time on a few layers -> the quantize stage for all `total_layers` layers."""
+    """Our per-layer time on a few layers -> the quantize stage for all `total_layers` layers, and a bound on the
+    whole pass's peak GPU memory: one layer is on the GPU at a time, but the results (codes, scales, zeros) stay
+    on the device until they fill `engine.RESULTS_DEVICE_SHARE` of it, then go to the host."""
+    from quantize.engine import RESULTS_DEVICE_SHARE
+
     per = record["per_layer"]["mean_after_first_s"]
+    total = record.get("gpu_total_gib")
+    bound = round(record["peak_gpu_alloc_gib"] + RESULTS_DEVICE_SHARE * total, 2) \
+        if total and record.get("peak_gpu_alloc_gib") is not None else None
     return {"total_layers": total_layers, "measured_layers": record["per_layer"]["n"], "per_layer_s": per,
-            "quantize_s": round(per * total_layers, 1),
+            "quantize_s": round(per * total_layers, 1), "peak_gpu_alloc_bound_gib": bound,
             "note": "quantize stage only: per-layer mean (after the first layer when more than one ran) x "
-                    "layers; load and export grow with the checkpoint and are not extrapolated; peak GPU "
-                    "memory does not grow with the layer count (one layer on the GPU at a time)"}
+                    "layers; load and export grow with the checkpoint and are not extrapolated. Layers whose "
+                    "results no longer fit the device share copy them to the host, which the few measured "
+                    "layers never do: the time is a lower estimate. Peak GPU memory: at most the measured peak "
+                    f"plus {RESULTS_DEVICE_SHARE:.0%} of the device (the results kept there)"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ def test_bench_ours_reads_every_stage_and_layer(tiny_qwen2, tmp_path):
     assert rec["per_layer"]["n"] == layers and len(rec["per_layer"]["stamp_gaps_s"]) == layers - 1
     assert set(rec["stages_s"]) == {"preflight", "load", "calibrate", "quantize", "export"}
     assert rec["stages_s"]["export"] > 0
+    assert rec["weights_sha256"] and all(len(h) == 64 for h in rec["weights_sha256"].values())  # runs comparable
     # llm-compressor's worker hashes its blocks the same way: equal hashes mean equal token blocks
     tok = AutoTokenizer.from_pretrained(tiny_qwen2)
     blocks = calib.make_samples(calib.load_text("pileval").documents, tok, 16, 64, 0)
@@ -39,6 +40,10 @@ def test_bench_ours_reads_every_stage_and_layer(tiny_qwen2, tmp_path):
     assert f"{rec['stages_s']['export']:.2f}" in text
     per = rec["per_layer"]["mean_after_first_s"]
     assert report["runs"]["ours-72b-gptq"]["extrapolated"]["quantize_s"] == round(per * 80, 1)
+    # on a GPU the bound on a whole pass's peak adds the share of the device the results may keep there
+    gpu = {**rec, "gpu_total_gib": 140.0, "peak_gpu_alloc_gib": 24.0}
+    assert gpu_bench.extrapolate(gpu, 80)["peak_gpu_alloc_bound_gib"] == 24.0 + 0.25 * 140.0
+    assert rec["gpu_total_gib"] is None and gpu_bench.extrapolate(rec, 80)["peak_gpu_alloc_bound_gib"] is None
 
 
 def test_job_selection(tmp_path):
