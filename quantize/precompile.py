@@ -124,19 +124,19 @@ def main(argv: list[str], allow_cpu: bool = False) -> int:
     from . import warmup
     from .cli import _parser
     from .engine import DTYPES, gptq_spec
+    from .preflight import pick_device
     from .recipe import load_variants
 
     try:
         args = _parser().parse_args(argv)
         names = [args.recipe] if args.cmd == "run" else args.recipes
         recipes = [v for n in names for v in load_variants(n)]
+        device = pick_device(recipes[0])  # the run's own choice
     except (Exception, SystemExit) as e:  # noqa: BLE001 - the run reports these itself
         print(f"nothing compiled: {e}", file=sys.stderr)
         return 0
     specs = [gptq_spec(r, DTYPES[r.dtype]) for r in recipes if r.method == "gptq"]
-    # the run computes on CUDA unless its (first) recipe says cpu or no device is visible (runner.pick_device)
-    cuda = recipes[0].device != "cpu" and torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
+    cuda = device.type == "cuda"
     if not specs or not (cuda or allow_cpu):
         print(f"nothing to compile ({len(specs)} GPTQ recipes, device {device})", file=sys.stderr)
         return 0

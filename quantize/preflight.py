@@ -220,3 +220,12 @@ def check_free_disk(out: Path, need: int, margin: float = 0.05) -> int:
             f"the plan: packed weights, scales, zeros and unconverted tensors, +{margin:.0%}) but {probe} has "
             f"{human_bytes(free)} free; free some space on that disk or write elsewhere with --out DIR")
     return free
+
+
+def pick_device(recipe: Recipe) -> torch.device:
+    """The device a run computes on: the recipe's, or for `auto` CUDA when torch sees it, else the CPU."""
+    if recipe.device == "cuda" and not torch.cuda.is_available():
+        raise PreflightError("recipe asks for device: cuda but no CUDA device is visible; use device: auto or cpu")
+    if recipe.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(recipe.device)

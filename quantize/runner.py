@@ -21,7 +21,7 @@ from .checkpoint import Checkpointer, fingerprint
 from .engine import DTYPES, Job, feature_names, gptq_spec, is_skipped, propagation
 from .pack import pack_all
 from .lock import output_lock
-from .preflight import Plan, PreflightError, check_free_disk, human_bytes, plan, tied_embeddings
+from .preflight import Plan, PreflightError, check_free_disk, human_bytes, pick_device, plan, tied_embeddings
 from .recipe import Recipe, load_recipe
 
 log = logging.getLogger(__name__)
@@ -40,14 +40,6 @@ class Timings:
         yield
         self.stages[name] = round(time.perf_counter() - t0, 3)
         log.info("stage %s: done in %.1f s", name, self.stages[name])
-
-
-def pick_device(recipe: Recipe) -> torch.device:
-    if recipe.device == "cuda" and not torch.cuda.is_available():
-        raise PreflightError("recipe asks for device: cuda but no CUDA device is visible; use device: auto or cpu")
-    if recipe.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(recipe.device)
 
 
 def pick_compute_dtype(recipe: Recipe, device: torch.device) -> torch.dtype:
