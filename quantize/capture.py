@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 from .arch import Arch, decoder_layers, get_module
+from .preflight import PreflightError
 
 log = logging.getLogger(__name__)
 
@@ -257,11 +258,18 @@ def configure_allocator(device: torch.device) -> str | None:
     force (for the manifest), None off CUDA. Call before the run's first CUDA allocation."""
     if device.type != "cuda":
         return None
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+        torch.cuda.memory._set_allocator_settings  # torch >= 2.9; before: the cuda one
     if ALLOC_ENV in os.environ:
-        log.info("CUDA allocator: %s=%r (set by the user, kept)", ALLOC_ENV, os.environ[ALLOC_ENV])
-        return os.environ[ALLOC_ENV]
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9; before: the cuda one
-    (setter or torch.cuda.memory._set_allocator_settings)(CUDA_ALLOCATOR)
+        user = os.environ[ALLOC_ENV]
+        try:  # parsed again here, so that a typo stops the run before the model loads, not at its first tensor
+            setter(user)
+        except (ValueError, RuntimeError) as e:
+            raise PreflightError(f"{ALLOC_ENV}={user!r} is not a setting torch's CUDA allocator accepts ({e}); "
+                                 f"correct it, or unset it to use {CUDA_ALLOCATOR}") from e
+        log.info("CUDA allocator: %s=%r (set by the user, kept)", ALLOC_ENV, user)
+        return user
+    setter(CUDA_ALLOCATOR)
     log.info("CUDA allocator: %s (%s unset)", CUDA_ALLOCATOR, ALLOC_ENV)
     return CUDA_ALLOCATOR
 

@@ -28,7 +28,8 @@ import time
 
 log = logging.getLogger(__name__)
 
-ENV = "QUANTIZE_PRECOMPILE"  # "0": never start the child
+ENV = "QUANTIZE_PRECOMPILE"  # 0/false/no/off: never start the child; unset, empty, 1/true/yes/on: start it
+OFF, ON = ("0", "false", "no", "off"), ("", "1", "true", "yes", "on")
 COMMANDS = ("run", "compare")
 WAIT_S = 120.0  # longest wait for the child before the run compiles the kernel itself
 
@@ -49,8 +50,14 @@ def gpu_visible() -> bool:
 def spawn(argv: list[str]) -> subprocess.Popen | None:
     """Start the compile child for these command-line arguments (`sys.argv[1:]`) -> it, or None if skipped."""
     global _child, _stderr, _started
-    if _child is not None or os.environ.get(ENV, "1") == "0" or not argv or argv[0] not in COMMANDS \
-            or not gpu_visible():
+    if _child is not None or not argv or argv[0] not in COMMANDS:
+        return None
+    setting = os.environ.get(ENV, "1").strip().lower()
+    if setting not in OFF + ON:
+        print(f"error: {ENV}={os.environ[ENV]!r} is not understood; set it to 0 to turn the GPTQ kernel pre-compile "
+              f"off, or to 1 (the default) to keep it", file=sys.stderr)
+        raise SystemExit(2)
+    if setting in OFF or not gpu_visible():
         return None
     _stderr = tempfile.TemporaryFile()
     _started = time.perf_counter()

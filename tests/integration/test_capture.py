@@ -60,13 +60,27 @@ def test_allocator_expandable_on_cuda_unless_the_user_chose(monkeypatch):
     assert capture.configure_allocator(torch.device("cpu")) is None and calls == []
     assert capture.configure_allocator(torch.device("cuda")) == "expandable_segments:True"
     assert calls == ["expandable_segments:True"]
-    # the user's PYTORCH_CUDA_ALLOC_CONF wins and is what the manifest records
+    # the user's PYTORCH_CUDA_ALLOC_CONF wins (applied as written, which checks it) and the manifest records it
     monkeypatch.setenv(capture.ALLOC_ENV, "expandable_segments:False")
     assert capture.configure_allocator(torch.device("cuda")) == "expandable_segments:False"
-    assert calls == ["expandable_segments:True"]
+    assert calls == ["expandable_segments:True", "expandable_segments:False"]
     # an older torch without the accelerator-wide setter: the CUDA one
     monkeypatch.delenv(capture.ALLOC_ENV)
     monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings")
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda s: calls.append(("cuda", s)))
     capture.configure_allocator(torch.device("cuda"))
     assert calls[-1] == ("cuda", "expandable_segments:True")
+
+
+def test_a_mistyped_allocator_setting_stops_the_run_in_preflight(monkeypatch):
+    # torch's own parser (this CPU build has it too) rejects the value; the message names the variable
+    import pytest
+
+    from quantize import capture
+    from quantize.preflight import PreflightError
+
+    monkeypatch.setenv(capture.ALLOC_ENV, "expandable_segments:maybe")
+    with pytest.raises(PreflightError, match=r"PYTORCH_CUDA_ALLOC_CONF='expandable_segments:maybe' is not a "
+                                             r"setting .*correct it, or unset it"):
+        capture.configure_allocator(torch.device("cuda"))
+    assert capture.configure_allocator(torch.device("cpu")) is None  # off CUDA the variable is not ours to check

@@ -27,9 +27,20 @@ def test_spawn_only_for_run_or_compare_on_a_gpu_host(monkeypatch):
     monkeypatch.setattr(precompile, "gpu_visible", lambda: True)
     assert precompile.spawn(["list"]) is None
     assert precompile.spawn([]) is None
-    monkeypatch.setenv(precompile.ENV, "0")
-    assert precompile.spawn(["run", "smollm2-gptq-g64"]) is None
+    for off in ("0", "off", "False"):
+        monkeypatch.setenv(precompile.ENV, off)
+        assert precompile.spawn(["run", "smollm2-gptq-g64"]) is None
     assert precompile._child is None
+
+
+def test_a_mistyped_switch_stops_the_command_with_what_to_set(tmp_path):
+    # before any model (or torch) is loaded: the CLI's user-error exit code, nothing written
+    p = subprocess.run([sys.executable, "-m", "quantize", "run", "smollm2-gptq-g64", "--out", str(tmp_path / "a")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, **{precompile.ENV: "of"}))
+    assert p.returncode == 2
+    assert "QUANTIZE_PRECOMPILE='of' is not understood; set it to 0" in p.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_gpu_visible_respects_cuda_visible_devices(monkeypatch):
