@@ -4,8 +4,9 @@
 
 Records the process's wall time (imports included), the manifest's stage timings
 (preflight/load/calibrate/quantize/export), each decoder layer's time (from the "layer i/N done in X s"
-log records of quantize.capture), the peak GPU memory of this process (torch.cuda.max_memory_allocated and
-max_memory_reserved) and its peak RSS. Writes the record to --json and prints it as the last line.
+log records of quantize.capture), the first layers' breakdown (DEBUG records: upload, FP forward, jobs; GPTQ's
+Hessian and sweep per stage), the stage stamps and the CUDA warm-up's parts on one timeline, the peak GPU memory
+of this process (torch.cuda.max_memory_allocated and max_memory_reserved) and its peak RSS. Writes the record to --json and prints it as the last line.
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ if __name__ == "__main__" and len(sys.argv) > 1 and not sys.argv[1].startswith("
 
 import torch  # noqa: E402
 
-from quantize import runner  # noqa: E402
+from quantize import runner, warmup  # noqa: E402
 
 LAYER_DONE = re.compile(r"layer (\d+)/(\d+) done in ([0-9.]+) s")
+# DEBUG records of quantize.capture / quantize.engine that break a layer's time down (kept for the first layers)
+LAYER_PART = re.compile(r"^layer (\d+) (parts|stage \S+): (.*)$")
+STAGE = re.compile(r"^stage (\w+): (start|done)")
+FIRST_LAYERS = 2
 PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "pydantic", "compressed-tensors")
 
 
@@ -44,12 +49,27 @@ class LogTimes(logging.Handler):
     times (export included) come from the manifest."""
 
     def __init__(self) -> None:
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)
         self.layers: list[dict] = []
+        self.parts: dict[int, dict[str, str]] = {}  # the first layers' breakdown (DEBUG records)
+        self.stamps: dict[str, float] = {}  # "<stage> start|done" -> time.time()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if m := LAYER_DONE.search(record.getMessage()):
+        msg = record.getMessage()
+        if m := LAYER_DONE.search(msg):
             self.layers.append({"layer": int(m[1]), "of": int(m[2]), "s": float(m[3]), "at": record.created})
+        elif (m := LAYER_PART.match(msg)) and int(m[1]) <= FIRST_LAYERS:
+            self.parts.setdefault(int(m[1]), {})[m[2]] = m[3]
+        elif m := STAGE.match(msg):
+            self.stamps[f"{m[1]} {m[2]}"] = record.created
+
+    def timeline(self, t_run: float, warm: dict) -> dict:
+        """Stage stamps and the warm-up's start/end in seconds after the run began (time.time() t_run)."""
+        out = {k: round(v - t_run, 3) for k, v in self.stamps.items()}
+        for k in ("started_at", "done_at"):
+            if k in warm:
+                out[f"warmup {k.removesuffix('_at')}"] = round(warm[k] - t_run, 3)
+        return dict(sorted(out.items(), key=lambda kv: kv[1]))
 
 
 def versions() -> dict[str, str]:
@@ -93,15 +113,17 @@ def main(argv: list[str] | None = None) -> dict:
         from quantize import capture
 
         capture.EMPTY_CACHE_PER_LAYER = True
+    console = logging.StreamHandler()
+    console.setLevel(logging.INFO)  # the DEBUG records below reach LogTimes, not the log
     logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+                        datefmt="%H:%M:%S", handlers=[console])
     log_times, qlog = LogTimes(), logging.getLogger("quantize")
     qlog.addHandler(log_times)
-    qlog.setLevel(logging.INFO)
+    qlog.setLevel(logging.DEBUG)  # the first layers' breakdown
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    t1 = time.perf_counter()
+    t1, t_run = time.perf_counter(), time.time()
     try:
         art = runner.run(args.recipe, out_root=args.out_root, force=True)
     finally:
@@ -118,6 +140,9 @@ def main(argv: list[str] | None = None) -> dict:
         "run_s": round(run_s, 2),
         "process_s": round(time.perf_counter() - T0, 2), "per_layer": per_layer(log_times.layers),
         "precompile": precompile.outcome,
+        "warmup": {k: v for k, v in warmup.outcome.items() if not k.endswith("_at")},
+        "timeline_s": log_times.timeline(t_run, warmup.outcome),
+        "first_layers": {str(k): v for k, v in sorted(log_times.parts.items())},
         "peak_gpu_alloc_gib": round(torch.cuda.max_memory_allocated() / gib, 2) if cuda else None,
         "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / gib, 2) if cuda else None,
         "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),

@@ -444,7 +444,10 @@ class _SharedPass:
             del work
             job.seconds += time.perf_counter() - tj
         del fp_feats
-        self.seconds["jobs"] += self._clock() - t2
+        t3 = self._clock()
+        self.seconds["jobs"] += t3 - t2
+        log.debug("layer %d parts: to_device %.4f s, fp_forward %.4f s, jobs %.4f s", i + 1, t1 - t0, t2 - t1,
+                  t3 - t2)
         del layer  # results and overrides hold what the jobs made of it; nothing is copied back
         if fp_outs is not None:
             self.inputs = fp_outs

@@ -247,7 +247,10 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
                 _store(layer, n, layer_prefix(arch, data.index), codes, scales.to(scale_dtype), zeros, results)
                 losses[n] = row_loss.sum()
                 stats[n] = {"damp": r.damp_used, "dead_columns": r.dead_columns, "kernel": r.kernel}
-        seconds["sweep"] += _clock(device) - t1
+        t2 = _clock(device)
+        seconds["sweep"] += t2 - t1
+        log.debug("layer %d stage %s: hessian %.4f s, sweep %.4f s", data.index + 1, "+".join(names), t1 - t0,
+                  t2 - t1)
     if losses:
         for n, loss in zip(losses, torch.stack(list(losses.values())).tolist()):
             stats[n] = {"loss": loss, **stats[n]}

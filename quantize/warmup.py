@@ -26,6 +26,9 @@ from . import precompile
 log = logging.getLogger(__name__)
 
 _thread: threading.Thread | None = None
+# What the last warm-up did, for benchmarks (bench/bench_ours.py): when it started and ended (time.time()), the
+# seconds of each part, and how long the run's thread waited for it. Empty when none ran.
+outcome: dict = {}
 
 
 def start(device: torch.device, dtype: torch.dtype, gptq_specs: list, head_dim: int | None) -> None:
@@ -33,6 +36,8 @@ def start(device: torch.device, dtype: torch.dtype, gptq_specs: list, head_dim: 
     global _thread
     if device.type != "cuda" or _thread is not None:
         return
+    outcome.clear()
+    outcome.update(started_at=time.time(), parts_s={}, waited_s=0.0)
     _thread = threading.Thread(target=_warm, args=(device, dtype, gptq_specs, head_dim), name="cuda-warmup",
                                daemon=True)
     _thread.start()
@@ -43,8 +48,11 @@ def wait() -> None:
     global _thread
     t = _thread
     if t is not None and t is not threading.current_thread():
+        t0 = time.perf_counter()
         t.join()
         _thread = None
+        if outcome:  # a warm-up `start`ed
+            outcome["waited_s"] = round(outcome.get("waited_s", 0.0) + time.perf_counter() - t0, 4)
 
 
 def head_dim(config) -> int | None:
@@ -69,20 +77,34 @@ def sweeps(device: torch.device, gptq_specs: list, generator: torch.Generator | 
 
 def _warm(device: torch.device, dtype: torch.dtype, gptq_specs: list, head_dim: int | None) -> None:
     t0 = time.perf_counter()
+    parts = outcome.setdefault("parts_s", {})
+
+    def part(name: str, t: float) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        parts[name] = round(now - t, 4)
+        return now
+
     try:
         with torch.no_grad(), (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
+            t = time.perf_counter()
             g = torch.Generator(device).manual_seed(0)
             x = torch.randn(256, 256, device=device, dtype=dtype, generator=g)
+            t = part("context", t)
             F.silu(F.linear(x, x)).float().pow(2).mean(-1).rsqrt()  # a layer's GEMM and elementwise kernels
             if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
                 torch.mm(x.t(), x, out_dtype=torch.float32)  # the Hessian GEMM
+            t = part("gemm", t)
             if head_dim:
                 q = torch.randn(1, 2, 64, head_dim, device=device, dtype=dtype, generator=g)
                 F.scaled_dot_product_attention(q, q, q, is_causal=True)
+                t = part("attention", t)
             precompile.wait()  # a child compiling the Triton sweep (started by the CLI): load, not compile, it
+            t = part("precompile_wait", t)
             sweeps(device, gptq_specs, g)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            part("gptq", t)
         log.debug("CUDA warm-up done in %.2f s", time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001 - a warm-up failure costs only the time it would have saved
         log.warning("CUDA warm-up failed (the run continues and pays the first-use costs itself): %s", e)
+    outcome.update(done_at=time.time(), seconds=round(time.perf_counter() - t0, 4))

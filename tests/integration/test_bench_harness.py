@@ -25,6 +25,13 @@ def test_bench_ours_reads_every_stage_and_layer(tiny_qwen2, tmp_path):
     assert rec["per_layer"]["n"] == layers and len(rec["per_layer"]["stamp_gaps_s"]) == layers - 1
     assert set(rec["stages_s"]) == {"preflight", "load", "calibrate", "quantize", "export"}
     assert rec["stages_s"]["export"] > 0
+    # the first layers' breakdown (DEBUG records of capture and engine) and the stage stamps are parsed too
+    assert set(rec["first_layers"]) == {"1", "2"}
+    assert {"parts", "stage self_attn.q_proj+self_attn.k_proj+self_attn.v_proj"} <= set(rec["first_layers"]["1"])
+    assert rec["first_layers"]["1"]["parts"].startswith("to_device ")
+    assert list(rec["timeline_s"])[:2] == ["preflight start", "preflight done"]
+    assert rec["timeline_s"]["load done"] <= rec["timeline_s"]["quantize start"] < rec["timeline_s"]["quantize done"]
+    assert rec["warmup"] == {}  # CUDA only
     assert rec["weights_sha256"] and all(len(h) == 64 for h in rec["weights_sha256"].values())  # runs comparable
     # llm-compressor's worker hashes its blocks the same way: equal hashes mean equal token blocks
     tok = AutoTokenizer.from_pretrained(tiny_qwen2)

@@ -19,6 +19,7 @@ logging.basicConfig(level=logging.DEBUG, format="%(name)s: %(message)s")
 specs = [gptq.GptqSpec(4, 128, True, act_order=True, scale_dtype=torch.bfloat16, kernel="torch"),
          gptq.GptqSpec(4, 64, True, act_order=False, kernel="triton", update="tf32")]
 warmup._warm(torch.device("cpu"), torch.float32, specs, head_dim=64)
+print(sorted(warmup.outcome["parts_s"]))
 """
 
 
@@ -30,6 +31,8 @@ def test_warm_calls_run_without_error():
                        env=dict(os.environ, TRITON_INTERPRET="1"))
     assert p.returncode == 0, p.stderr
     assert "warm-up done" in p.stderr and "failed" not in p.stderr, p.stderr
+    # each part is timed (bench/bench_ours.py records them)
+    assert p.stdout.split() == ["['attention',", "'context',", "'gemm',", "'gptq',", "'precompile_wait']"], p.stdout
 
 
 def test_start_is_cuda_only_and_wait_never_deadlocks():
