@@ -198,15 +198,13 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool) -> list[Path
                               feature_names(pf.arch), jobs, ckpt)
     shared = {"variants": [r.name for r in recipes], "pass_s": timings.stages["quantize"],
               "per_variant_s": {j.recipe.name: round(j.seconds, 3) for j in jobs}} if len(jobs) > 1 else None
-    context = dict(src=pf.src, config=pf.config, tied=tied, device=device, compute_dtype=compute_dtype,
-                   storage_dtype=storage_dtype, dtype=dtype, calib_record=pf.calib_record, shared=shared,
-                   provenance=provenance,
-                   numerics=numerics, pass_seconds=pass_seconds)
+    run = RunRecord(pf.src, pf.config, tied, device, compute_dtype, storage_dtype, dtype, pf.calib_record, shared,
+                    numerics, pass_seconds, provenance)
     for job, the_plan, out in zip(jobs, pf.plans, outs):
         stages = dict(timings.stages)
         if shared:
             stages["quantize"] = round(job.seconds, 3)
-        _export(job, the_plan, out, model, stages, force, **context)
+        _export(job, the_plan, out, model, stages, force, run)
     if ckpt is not None:
         ckpt.clear()  # every artifact is in place
     return outs
@@ -252,42 +250,58 @@ def _calibration(recipe: Recipe, src: source.ModelSource) -> tuple[torch.Tensor,
                      "samples_sha256": calib.samples_sha256(samples)}
 
 
-def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, *, src, config, tied, device,
-            compute_dtype, storage_dtype, dtype, calib_record, shared, numerics,
-            pass_seconds, provenance) -> None:
+@dataclass(frozen=True)
+class RunRecord:
+    """What every artifact of one run shares: its source, devices and dtypes, calibration, the pass's record."""
+
+    src: source.ModelSource
+    config: Any
+    tied: bool  # lm_head shares the input embedding
+    device: torch.device
+    compute_dtype: torch.dtype
+    storage_dtype: torch.dtype  # the model's parameters as loaded
+    dtype: torch.dtype  # the artifact's 16-bit dtype
+    calib_record: dict | None
+    shared: dict | None  # the shared pass of several recipes (None: one recipe)
+    numerics: list[str]  # where the pass switched to float32
+    pass_seconds: dict[str, float]
+    provenance: dict  # versions, git, cuda_allocator
+
+
+def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run: RunRecord) -> None:
     """Pack one job's results and write its artifact directory atomically (timed into its manifest)."""
     recipe = job.recipe
     t0 = time.perf_counter()
     skipped = [n for n, why in the_plan.skipped.items() if why != "modules_to_not_convert"]
-    packed, qcfg = pack_all(job.results, recipe, skipped, dtype, device)
-    drop = {"lm_head.weight"} if tied else set()
-    tensors = export.build_state_dict(model, packed, dtype, drop, job.overrides)
+    packed, qcfg = pack_all(job.results, recipe, skipped, run.dtype, run.device)
+    drop = {"lm_head.weight"} if run.tied else set()
+    tensors = export.build_state_dict(model, packed, run.dtype, drop, job.overrides)
 
     def fill(tmp: Path) -> dict:
-        copied = export.write_model_dir(tmp, model, tensors, qcfg, dtype, src.path, source.TOKENIZER_FILES,
-                                        recipe.to_dict(), recipe.max_shard_size)
+        copied = export.write_model_dir(tmp, model, tensors, qcfg, run.dtype, run.src.path,
+                                        source.TOKENIZER_FILES, recipe.to_dict(), recipe.max_shard_size)
         (tmp / "preflight.json").write_text(the_plan.to_json() + "\n")
         extras = {
             "artifact": recipe.name,
             "format": {"name": recipe.out_format, "quant_method": qcfg["quant_method"]},
             "recipe": recipe.to_dict(),
-            "model": {"spec": src.spec, "resolved": str(src.path), "kind": src.kind,
-                      "gguf_sha256": src.origin_sha256, "architecture": config.architectures,
-                      "tie_word_embeddings": tied},
-            "calibration": calib_record,
+            "model": {"spec": run.src.spec, "resolved": str(run.src.path), "kind": run.src.kind,
+                      "gguf_sha256": run.src.origin_sha256, "architecture": run.config.architectures,
+                      "tie_word_embeddings": run.tied},
+            "calibration": run.calib_record,
             "quantized_modules": len(job.results),
             "unconverted": sorted(n.removesuffix(".weight") for n in tensors if n.endswith(".weight")),
             "copied_unchanged": copied,
-            "notes": _notes(tied, storage_dtype, dtype) + numerics,
+            "notes": _notes(run.tied, run.storage_dtype, run.dtype) + run.numerics,
             "skipped_linears": the_plan.skipped,
             "tensor_parallel_sizes": the_plan.tp_sizes,
             f"{recipe.method}_stats": {str(k): v for k, v in job.stats.items()},
-            "shared_pass": shared,
-            "device": str(device), "compute_dtype": str(compute_dtype).removeprefix("torch."),
-            "cuda_allocator": provenance["cuda_allocator"],
-            "versions": provenance["versions"], "git": provenance["git"],
+            "shared_pass": run.shared,
+            "device": str(run.device), "compute_dtype": str(run.compute_dtype).removeprefix("torch."),
+            "cuda_allocator": run.provenance["cuda_allocator"],
+            "versions": run.provenance["versions"], "git": run.provenance["git"],
             "timings_s": {**stages, "export": round(time.perf_counter() - t0, 3)},
-            "pass_seconds": pass_seconds,  # where the quantize stage's time went (device upload, FP forwards, jobs)
+            "pass_seconds": run.pass_seconds,  # the quantize stage's time: device upload, FP forwards, jobs
         }
         (tmp / "README.md").write_text(modelcard.render(extras))
         return extras
