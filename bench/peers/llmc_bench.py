@@ -30,13 +30,12 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from llmcompressor import oneshot  # noqa: E402
+from bench.peers.common import LIFECYCLE_FLAGS, calibration  # noqa: E402
 from quantize import calib  # noqa: E402
 
-LIFECYCLE_FLAGS = {"initialized_", "finalized_", "started_", "ended_"}
 PACKAGES = ("llmcompressor", "compressed-tensors", "transformers", "torch", "accelerate", "datasets", "pyarrow",
             "fsspec", "pydantic")
 
@@ -87,10 +86,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1, help="oneshot's batch_size (its default: 1)")
     args = ap.parse_args()
 
-    tok = AutoTokenizer.from_pretrained(args.model)
-    text = calib.load_text("pileval")
-    samples = calib.make_samples(text.documents, tok, args.n_samples, args.seq_len, args.seed)  # [n, seq]
-    ds = Dataset.from_dict({"input_ids": samples.tolist(), "attention_mask": torch.ones_like(samples).tolist()})
+    tok, text, samples, ds = calibration(args.model, "pileval", args.n_samples, args.seq_len, args.seed)
     cuda = torch.device(args.device).type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -31,14 +31,13 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local model dir; calib then uses the bundled data/ text
 
 import torch  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from llmcompressor import oneshot  # noqa: E402
 from llmcompressor.modifiers.gptq import GPTQModifier  # noqa: E402
+from bench.peers.common import LIFECYCLE_FLAGS, calibration  # noqa: E402
 from quantize import calib  # noqa: E402
 
-LIFECYCLE_FLAGS = {"initialized_", "finalized_", "started_", "ended_"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -60,10 +59,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
 
-    tok = AutoTokenizer.from_pretrained(args.model)
-    text = calib.load_text(args.dataset)
-    samples = calib.make_samples(text.documents, tok, args.n_samples, args.seq_len, args.seed)  # [n, seq]
-    ds = Dataset.from_dict({"input_ids": samples.tolist(), "attention_mask": torch.ones_like(samples).tolist()})
+    tok, text, samples, ds = calibration(args.model, args.dataset, args.n_samples, args.seq_len, args.seed)
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.compute_dtype])
     modifier = GPTQModifier(
