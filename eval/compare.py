@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from quantize.export import MANIFEST
+from quantize.modelcard import protocol_sentence
 
 from .artifact import PACKED_TENSOR
 
@@ -108,8 +109,7 @@ def render_markdown(name: str, rows: list[dict], meta: dict) -> str:
     lines = [f"# Comparison `{name}`", "", f"Base model `{rows[0]['base_model']}` · {meta['date']} · {meta['machine']}",
              ""]
     if proto:
-        lines += [f"Perplexity protocol: {proto['dataset']} (sha256 `{proto['text_sha256'][:12]}…`), "
-                  f"{proto['windows']} windows of {proto['seq_len']} tokens; FP16 perplexity {fp:.4f}.", ""]
+        lines += [f"Perplexity protocol: {protocol_sentence(proto)}; FP16 perplexity {fp:.4f}.", ""]
     lines += ["| variant | method | bits | group | format | size on disk (MB) | bits / weight | ppl | Δppl | Δ% "
               "| quantize (s) | vLLM smoke |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:

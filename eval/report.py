@@ -137,15 +137,12 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
 
 def render_markdown(r: dict) -> str:
     p, s = r["perplexity"], r["vllm_smoke"]
-    proto = p["protocol"]
     lines = [
         f"# Evaluation report: `{Path(r['artifact']).name}`", "",
         f"Base model `{r['base_model']}` · {r['date']} · {r['machine']} · **{'PASSED' if r['passed'] else 'FAILED'}**",
         "", "## Perplexity", "",
-        f"Protocol: {proto['dataset']} (`{Path(proto['source']).name}`, sha256 `{proto['text_sha256'][:12]}…`), "
-        f"{proto['windows']} non-overlapping windows of {proto['seq_len']} tokens, tail dropped, no extra BOS, "
-        f"token-level exp(mean NLL) over {proto['tokens_scored']} predicted tokens; reference computed in "
-        f"{r['reference_dtype']}.", "",
+        f"Protocol: {modelcard.protocol_sentence(p['protocol'])}; reference computed in {r['reference_dtype']}.",
+        "",
         "| model | perplexity | Δ | Δ % |", "|---|---:|---:|---:|",
         f"| FP16 (base) | {p['fp16']['ppl']:.4f} | | |",
         f"| quantized (decoded from the artifact) | {p['quantized']['ppl']:.4f} | {p['delta']:+.4f} | "

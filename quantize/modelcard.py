@@ -8,6 +8,7 @@ how to serve the directory and how it was made. Everything comes from the manife
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import yaml
 
@@ -53,16 +54,21 @@ def _front_matter(m: dict, report: dict | None) -> dict:
     return fm
 
 
+def protocol_sentence(proto: dict) -> str:
+    """The perplexity protocol a report records (`eval.perplexity.protocol_record`), in one sentence; the model
+    card, the eval report and the comparison all print this one."""
+    return (f"{proto['dataset']} (`{Path(proto['source']).name}`, text sha256 `{proto['text_sha256'][:12]}…`), "
+            f"{proto['windows']} non-overlapping windows of {proto['seq_len']} tokens (tail dropped, no extra BOS), "
+            f"token-level exp(mean NLL) over {proto['tokens_scored']} predicted tokens")
+
+
 def _evaluation(report: dict | None) -> list[str]:
     if report is None:
         return ["Not evaluated yet: run `make eval RECIPE=<name>` (perplexity against the FP16 base and a vLLM "
                 "smoke-load); this card is then rewritten with the numbers."]
     p, s = report["perplexity"], report["vllm_smoke"]
-    proto = p["protocol"]
     lines = [f"Measured {report['date']} on {report['machine']} · eval **{'PASSED' if report['passed'] else 'FAILED'}**",
-             "", f"Protocol: {proto['dataset']} (text sha256 `{proto['text_sha256'][:12]}…`), {proto['windows']} "
-             f"non-overlapping windows of {proto['seq_len']} tokens, token-level exp(mean NLL) over "
-             f"{proto['tokens_scored']} predicted tokens; reference in {report['reference_dtype']}.", "",
+             "", f"Protocol: {protocol_sentence(p['protocol'])}; reference in {report['reference_dtype']}.", "",
              "| model | perplexity | Δ | Δ % |", "|---|---:|---:|---:|",
              f"| FP16 base | {p['fp16']['ppl']:.4f} | | |",
              f"| this artifact | {p['quantized']['ppl']:.4f} | {p['delta']:+.4f} | {p['delta_pct']:+.2f} |", ""]

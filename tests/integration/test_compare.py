@@ -8,6 +8,7 @@ import yaml
 from eval.artifact import verify_manifest
 from eval.compare import default_name, run_comparison, sizes
 from quantize import runner
+from quantize.modelcard import protocol_sentence
 from quantize.recipe import load_recipe
 from tests.conftest import tiny_recipe, write_recipe
 
@@ -61,6 +62,11 @@ def test_sweep_comparison_files_plot_and_model_cards(tiny_llama, tmp_path):
     metrics = front["model-index"][0]["results"][0]["metrics"]
     assert metrics[0]["value"] == round(rows[1]["ppl"], 4)
     assert verify_manifest(art)
+    # one protocol sentence: the comparison, the model card and the eval report print the same one
+    sentence = protocol_sentence(rows[1]["protocol"])
+    assert "3 non-overlapping windows of 128 tokens" in sentence and "wikitext" in sentence
+    for text in (md, card, (art / "report.md").read_text()):
+        assert sentence in text
 
 
 def test_default_comparison_name():
