@@ -5,8 +5,9 @@
 Records the process's wall time (imports included), the manifest's stage timings
 (preflight/load/calibrate/quantize/export), each decoder layer's time (from the "layer i/N done in X s"
 log records of quantize.capture), the first layers' breakdown (DEBUG records: upload, FP forward, jobs; GPTQ's
-Hessian and sweep per stage), the stage stamps and the CUDA warm-up's parts on one timeline, the peak GPU memory
-of this process (torch.cuda.max_memory_allocated and max_memory_reserved) and its peak RSS. Writes the record to --json and prints it as the last line.
+Hessian and sweep per stage), the stage stamps and the CUDA warm-up's parts on one timeline, the peak GPU
+memory of this process (torch.cuda.max_memory_allocated and max_memory_reserved) and its peak RSS. Writes the
+record to --json and prints it as the last line.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from quantize import runner, warmup  # noqa: E402
 LAYER_DONE = re.compile(r"layer (\d+)/(\d+) done in ([0-9.]+) s")
 # DEBUG records of quantize.capture / quantize.engine that break a layer's time down (kept for the first layers)
 LAYER_PART = re.compile(r"^layer (\d+) (parts|stage \S+): (.*)$")
+SECONDS = re.compile(r"(\w+) ([0-9.]+) s")
 STAGE = re.compile(r"^stage (\w+): (start|done)")
 FIRST_LAYERS = 2
 PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "pydantic", "compressed-tensors")
@@ -51,7 +53,7 @@ class LogTimes(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.layers: list[dict] = []
-        self.parts: dict[int, dict[str, str]] = {}  # the first layers' breakdown (DEBUG records)
+        self.parts: dict[int, dict] = {}  # the first layers' seconds: {"to_device": s, ..., "<stage>": {...}}
         self.stamps: dict[str, float] = {}  # "<stage> start|done" -> time.time()
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -59,7 +61,12 @@ class LogTimes(logging.Handler):
         if m := LAYER_DONE.search(msg):
             self.layers.append({"layer": int(m[1]), "of": int(m[2]), "s": float(m[3]), "at": record.created})
         elif (m := LAYER_PART.match(msg)) and int(m[1]) <= FIRST_LAYERS:
-            self.parts.setdefault(int(m[1]), {})[m[2]] = m[3]
+            seconds = {k: float(v) for k, v in SECONDS.findall(m[3])}
+            layer = self.parts.setdefault(int(m[1]), {})
+            if m[2] == "parts":
+                layer.update(seconds)
+            else:
+                layer[m[2]] = seconds
         elif m := STAGE.match(msg):
             self.stamps[f"{m[1]} {m[2]}"] = record.created
 

@@ -1,4 +1,5 @@
-"""The text table of bench/gpu_bench.py's report: ours vs llm-compressor per stage, per layer, peak memory.
+"""The text table of bench/gpu_bench.py's report: ours vs llm-compressor per stage, per layer, peak memory; our
+first layers' breakdown.
 
     python bench/bench_table.py gpu_bench.json     # re-print the table of a saved report
 
@@ -63,6 +64,32 @@ def _big(job: str, r: dict) -> list[str]:
             f"{_fmt(e.get('peak_gpu_alloc_bound_gib'))}), peak RSS {_fmt(r['peak_rss_gib'])} GiB"]
 
 
+def _first_layers(job: str, r: dict) -> list[str]:
+    """Our first layers' seconds side by side (upload, FP forward, jobs; GPTQ's Hessian and sweep per stage),
+    and the CUDA warm-up: where a first layer's one-time costs went."""
+    layers = r.get("first_layers") or {}
+    if not r["ok"] or not layers:
+        return []
+    cols = sorted(layers, key=int)
+    head = f"{job + ', first layers (s)':44s}" + "".join(f"{'layer ' + c:>10s}" for c in cols)
+    lines = [head, "-" * len(head)]
+    rows = dict.fromkeys(k for c in cols for k, v in layers[c].items() if not isinstance(v, dict))
+    for key in rows:
+        lines.append(f"{key:44s}" + "".join(f"{_fmt(layers[c].get(key)):>10s}" for c in cols))
+    stages = dict.fromkeys(k for c in cols for k, v in layers[c].items() if isinstance(v, dict))
+    for stage in stages:
+        for part in dict.fromkeys(p for c in cols for p in layers[c].get(stage, {})):
+            names = "+".join(n.rsplit(".", 1)[-1] for n in stage.removeprefix("stage ").split("+"))  # q_proj+...
+            lines.append(f"{names + ': ' + part:44s}" + "".join(f"{_fmt(layers[c].get(stage, {}).get(part)):>10s}"
+                                                         for c in cols))
+    w = r.get("warmup") or {}
+    if w:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in w.get("parts_s", {}).items())
+        lines.append(f"CUDA warm-up {_fmt(w.get('seconds'))} s ({parts}); the run waited "
+                     f"{_fmt(w.get('waited_s'))} s for it")
+    return lines
+
+
 def table(report: dict) -> str:
     runs = report["runs"]
     gpu = next((r.get("gpu") for r in runs.values() if r.get("ok")), None)
@@ -76,6 +103,8 @@ def table(report: dict) -> str:
         ours, peer = runs.get(f"ours-{method}"), runs.get(f"llmc-{method.split('-')[0]}")
         if ours or (peer and method in ("awq", "gptq")):
             lines += [""] + _pair(title, ours, peer)
+            if ours:
+                lines += _first_layers(f"ours-{method}", ours)
     big = [(j, r) for j, r in runs.items() if "72b" in j]
     if big:
         lines.append("")

@@ -27,8 +27,9 @@ def test_bench_ours_reads_every_stage_and_layer(tiny_qwen2, tmp_path):
     assert rec["stages_s"]["export"] > 0
     # the first layers' breakdown (DEBUG records of capture and engine) and the stage stamps are parsed too
     assert set(rec["first_layers"]) == {"1", "2"}
-    assert {"parts", "stage self_attn.q_proj+self_attn.k_proj+self_attn.v_proj"} <= set(rec["first_layers"]["1"])
-    assert rec["first_layers"]["1"]["parts"].startswith("to_device ")
+    first = rec["first_layers"]["1"]
+    assert {"to_device", "fp_forward", "jobs", "stage self_attn.q_proj+self_attn.k_proj+self_attn.v_proj"} <= set(first)
+    assert set(first["stage mlp.down_proj"]) == {"hessian", "sweep"} and first["jobs"] > 0
     assert list(rec["timeline_s"])[:2] == ["preflight start", "preflight done"]
     assert rec["timeline_s"]["load done"] <= rec["timeline_s"]["quantize start"] < rec["timeline_s"]["quantize done"]
     assert rec["warmup"] == {}  # CUDA only
@@ -44,6 +45,7 @@ def test_bench_ours_reads_every_stage_and_layer(tiny_qwen2, tmp_path):
                        "ours-72b-gptq": {"ok": True, **rec, "extrapolated": gpu_bench.extrapolate(rec, 80)}}}
     text = table(report)
     assert "llm-compressor: FAILED (rc 1)" in text
+    assert "ours-gptq, first layers (s)" in text and f"{first['jobs']:.2f}" in text and "q_proj+k_proj+v_proj: hessian" in text
     assert f"{rec['stages_s']['export']:.2f}" in text
     per = rec["per_layer"]["mean_after_first_s"]
     assert report["runs"]["ours-72b-gptq"]["extrapolated"]["quantize_s"] == round(per * 80, 1)
