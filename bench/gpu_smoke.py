@@ -69,7 +69,7 @@ def main() -> None:
     res["build_7b_2layer_s"] = round(time.perf_counter() - t0, 1)
     for m, kw in {"awq": dict(method="awq"), "gptq": dict(method="gptq", zero_point=False)}.items():
         r = write_recipe(tmp / f"q7-{m}.yaml", model=str(big), w_bit=4, q_group_size=128, device="cuda",
-                         dtype="float16", calibration=dict(dataset="pileval", n_samples=128, seq_len=512), **kw)
+                         dtype="float16", calibration=dict(dataset="groups-merged", n_samples=128, seq_len=512), **kw)
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         a = runner.run(r, out_root=tmp / "a")

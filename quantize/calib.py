@@ -1,9 +1,14 @@
 """Calibration text: resolve a dataset name to text, then cut it into seeded token blocks.
 
-`pileval` and `wikitext2` resolve to their Hugging Face datasets when the hub is reachable and to the
-bundled files in data/ when it is not (HF_HUB_OFFLINE=1 or no network). Local .txt/.jsonl/.parquet
-paths always work; .jsonl/.parquet go through `datasets`. What was used, and its sha256, is returned
-so the manifest can record it.
+A name means one text wherever the recipe runs:
+- `groups-merged`: the bundled general-text mix (data/groups-merged.txt: llama.cpp's community "groups_merged"
+  calibration set: prose, code, maths, references);
+- `wikitext2`: the bundled WikiText-2 raw test text (data/wikitext2-raw-test.txt), the text the eval scores;
+- `pileval` (the Pile's validation sample, mit-han-lab/pile-val-backup) or any other hub id: the Hugging Face
+  hub only. A hub that cannot be reached stops the run at once, naming the bundled alternative; nothing
+  falls back silently.
+- a local .txt/.jsonl/.parquet path (.jsonl/.parquet through `datasets`).
+What was used, and its sha256, is returned so the manifest can record it.
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ log = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
-# name -> (hub dataset, subset, default split, bundled offline file)
-KNOWN = {
-    "pileval": ("mit-han-lab/pile-val-backup", None, "validation", "calib-pile-mix.txt"),
-    "wikitext2": ("wikitext", "wikitext-2-raw-v1", "test", "wikitext2-raw-test.txt"),
-}
+# bundled name -> file in data/ (provenance: data/README.md)
+BUNDLED = {"groups-merged": "groups-merged.txt", "wikitext2": "wikitext2-raw-test.txt"}
+# short name -> (hub dataset, subset, default split)
+HUB_NAMES = {"pileval": ("mit-han-lab/pile-val-backup", None, "validation")}
+OFFLINE_CHOICE = "groups-merged"  # what a message about an unreachable hub offers instead
+HUB_PROBE_S = 1.5  # an unreachable hub is reported within this, not after minutes of retries
 
 
 class CalibrationError(ValueError):
@@ -82,36 +88,67 @@ def _from_file(path: Path, column: str) -> list[str]:
     raise CalibrationError(f"calibration.dataset {str(path)!r}: use a .txt, .jsonl or .parquet file")
 
 
+def hub_unreachable(timeout: float = HUB_PROBE_S) -> str | None:
+    """Why the Hugging Face hub cannot be reached (within `timeout` seconds, name lookup included), or None."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    outcome: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout)
+            outcome.append(None)
+        except urllib.error.HTTPError:
+            outcome.append(None)  # it answered
+        except Exception as e:  # noqa: BLE001 - any failure to connect is the answer
+            outcome.append(f"{type(e).__name__}: {e}")
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout)
+    return outcome[0] if outcome else f"no answer from {constants.ENDPOINT} within {timeout:.1f} s"
+
+
+def _unreachable(dataset: str, hub_id: str, why: str) -> CalibrationError:
+    return CalibrationError(
+        f"calibration.dataset {dataset!r} is the hub dataset {hub_id}, which cannot be reached from here ({why}); "
+        f"to calibrate without the hub set `calibration.dataset: {OFFLINE_CHOICE}` (the bundled general-text mix, "
+        f"data/{BUNDLED[OFFLINE_CHOICE]}) or a local .txt/.jsonl/.parquet file in the recipe")
+
+
+def _hub_text(dataset: str, hub_id: str, subset: str | None, split: str, column: str) -> CalibText:
+    """A hub dataset's documents: from the local cache when HF_HUB_OFFLINE=1, else after a quick probe."""
+    if not hub_offline():
+        why = hub_unreachable()
+        if why:
+            raise _unreachable(dataset, hub_id, why)
+    try:
+        docs = _from_hub(hub_id, subset, split, column, None)
+    except CalibrationError:
+        raise
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the message names it
+        why = "HF_HUB_OFFLINE=1 and it is not in the local cache" if hub_offline() else f"{type(e).__name__}: {e}"
+        raise _unreachable(dataset, hub_id, why) from None
+    return CalibText(docs, f"hub:{hub_id}/{subset}:{split}", _sha(docs))
+
+
 def load_text(dataset: str, split: str | None = None, subset: str | None = None, column: str = "text") -> CalibText:
-    """A dataset name, hub id or local path -> CalibText."""
+    """A bundled name, hub name or id, or local path -> CalibText."""
     path = Path(dataset)
     if path.suffix in (".txt", ".jsonl", ".json", ".parquet"):
         if not path.is_file():
             raise CalibrationError(f"calibration.dataset: file {path} does not exist")
         docs = _from_file(path, column)
         return CalibText(docs, str(path.resolve()), _sha(docs))
-    if dataset in KNOWN:
-        hub_id, hub_subset, hub_split, bundled = KNOWN[dataset]
-        if not hub_offline():
-            try:
-                docs = _from_hub(hub_id, subset or hub_subset, split or hub_split, column, None)
-                return CalibText(docs, f"hub:{hub_id}/{subset or hub_subset}:{split or hub_split}", _sha(docs))
-            except Exception as e:  # hub unreachable: the bundled copy is the documented fallback
-                log.warning("calibration: %s not reachable on the hub (%s); using bundled %s", hub_id, e, bundled)
-        docs = _split_paragraphs((DATA_DIR / bundled).read_text(encoding="utf-8"))
-        return CalibText(docs, str(DATA_DIR / bundled), _sha(docs))
-    if hub_offline():
-        raise CalibrationError(
-            f"calibration.dataset {dataset!r} is a hub dataset but HF_HUB_OFFLINE=1; use pileval, wikitext2 "
-            f"or a local .txt/.jsonl/.parquet path"
-        )
-    try:
-        docs = _from_hub(dataset, subset, split or "train", column, None)
-    except CalibrationError:
-        raise
-    except Exception as e:
-        raise CalibrationError(f"calibration.dataset {dataset!r} could not be loaded from the hub: {e}") from None
-    return CalibText(docs, f"hub:{dataset}/{subset}:{split or 'train'}", _sha(docs))
+    if dataset in BUNDLED:
+        docs = _split_paragraphs((DATA_DIR / BUNDLED[dataset]).read_text(encoding="utf-8"))
+        return CalibText(docs, str(DATA_DIR / BUNDLED[dataset]), _sha(docs))
+    hub_id, hub_subset, hub_split = HUB_NAMES.get(dataset, (dataset, None, "train"))
+    return _hub_text(dataset, hub_id, subset or hub_subset, split or hub_split, column)
 
 
 def make_samples(docs: list[str], tokenizer, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:

@@ -43,7 +43,7 @@ class _Strict(BaseModel):
 class Calibration(_Strict):
     """Which text calibrates the activations, and how much of it."""
 
-    dataset: str = "pileval"  # pileval | wikitext2 | a hub dataset id | a local .txt/.jsonl/.parquet path
+    dataset: str = "groups-merged"  # groups-merged | wikitext2 (bundled) | pileval | a hub id (hub only) | a local file
     n_samples: int = Field(128, gt=0)
     seq_len: int = Field(512, gt=0)
     seed: int = 0

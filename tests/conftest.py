@@ -17,7 +17,7 @@ def build_tokenizer(out: Path, vocab_size: int = 512):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    text = (ROOT / "data" / "calib-pile-mix.txt").read_text(encoding="utf-8")[:200_000]
+    text = (ROOT / "data" / "groups-merged.txt").read_text(encoding="utf-8")[:200_000]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -74,7 +74,7 @@ def write_recipe(path: Path, **keys) -> Path:
 
 def tiny_recipe(tmp: Path, model_dir: Path, name: str = "tiny-awq", **over) -> Path:
     keys = dict(name=name, model=str(model_dir), method="awq", w_bit=4, q_group_size=64, zero_point=True,
-                version="gemm", calibration=dict(dataset="pileval", n_samples=16, seq_len=64, seed=0),
+                version="gemm", calibration=dict(dataset="groups-merged", n_samples=16, seq_len=64, seed=0),
                 awq=dict(n_grid=10, clip_grid=10), dtype="float16", device="cpu", batch_size=4)
     keys.update(over)
     return write_recipe(tmp / f"{name}.yaml", **keys)

@@ -2,7 +2,7 @@
 
     python bench/peers/llmc_bench.py --method awq --model DIR --out DIR --json RESULT.json
 
-Calibration blocks are the exact ones our pipeline uses (quantize.calib: bundled pileval text, same seed,
+Calibration blocks are the exact ones our pipeline uses (quantize.calib: bundled groups-merged text, same seed,
 same tokenizer; their sha256 is recorded to compare with our manifest's samples_sha256), fed to `oneshot`
 as a pre-tokenized datasets.Dataset, unshuffled. Recipes, with llm-compressor 0.14's defaults otherwise:
 - awq:  [AWQModifier(), QuantizationModifier(targets=Linear, scheme=W4A16_ASYM, ignore=[lm_head])]
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1, help="oneshot's batch_size (its default: 1)")
     args = ap.parse_args()
 
-    tok, text, samples, ds = calibration(args.model, "pileval", args.n_samples, args.seq_len, args.seed)
+    tok, text, samples, ds = calibration(args.model, "groups-merged", args.n_samples, args.seq_len, args.seed)
     cuda = torch.device(args.device).type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--n-samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dataset", default="pileval")
+    ap.add_argument("--dataset", default="groups-merged")
     ap.add_argument("--dampening-frac", type=float, default=0.01)
     ap.add_argument("--block-size", type=int, default=128, help="GPTQ columns per pass (llm-compressor default)")
     ap.add_argument("--actorder", choices=["static", "none"], default="static",

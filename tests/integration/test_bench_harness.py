@@ -36,7 +36,7 @@ def test_bench_ours_reads_every_stage_and_layer(tiny_qwen2, tmp_path):
     assert rec["weights_sha256"] and all(len(h) == 64 for h in rec["weights_sha256"].values())  # runs comparable
     # llm-compressor's worker hashes its blocks the same way: equal hashes mean equal token blocks
     tok = AutoTokenizer.from_pretrained(tiny_qwen2)
-    blocks = calib.make_samples(calib.load_text("pileval").documents, tok, 16, 64, 0)
+    blocks = calib.make_samples(calib.load_text("groups-merged").documents, tok, 16, 64, 0)
     assert rec["calibration"]["samples_sha256"] == hashlib.sha256(blocks.numpy().tobytes()).hexdigest()
 
     peer_failed = {"ok": False, "rc": 1, "log_tail": "Traceback ..."}

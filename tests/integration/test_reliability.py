@@ -81,7 +81,7 @@ def test_calibration_samples_are_the_ones_make_samples_gives(tiny_llama, tmp_pat
     out = runner.run(tiny_recipe(tmp_path, tiny_llama, name="calib-same", awq=dict(n_grid=2, clip_grid=2)),
                      out_root=tmp_path / "a")
     rec = json.loads((out / "manifest.json").read_text())["calibration"]
-    ids = calib.make_samples(calib.load_text("pileval").documents, AutoTokenizer.from_pretrained(tiny_llama),
+    ids = calib.make_samples(calib.load_text("groups-merged").documents, AutoTokenizer.from_pretrained(tiny_llama),
                              16, 64, 0)
     import hashlib
 

@@ -46,7 +46,7 @@ def _files(d: Path) -> dict[str, bytes]:
 def test_killed_run_resumes_and_writes_identical_files(deep_qwen2, tmp_path, method):
     over = dict(method="gptq", zero_point=False) if method == "gptq" else {}
     recipe = tiny_recipe(tmp_path, deep_qwen2, name=f"resume-{method}", checkpoint_every_s=0,
-                         calibration=dict(dataset="pileval", n_samples=32, seq_len=128, seed=0), **over)
+                         calibration=dict(dataset="groups-merged", n_samples=32, seq_len=128, seed=0), **over)
     ref = subprocess.run(_cmd(recipe, tmp_path / "ref"), env=_env(), cwd=ROOT, capture_output=True, text=True)
     assert ref.returncode == 0, ref.stderr[-2000:]
 

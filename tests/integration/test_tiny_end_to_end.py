@@ -45,7 +45,7 @@ def test_manifest_hashes_every_file(llama_artifact):
     assert set(m["files"]) == files
     for name, rec in m["files"].items():
         assert export.sha256_file(llama_artifact / name) == rec["sha256"]
-    assert m["calibration"]["source"].endswith("calib-pile-mix.txt") and len(m["calibration"]["sha256"]) == 64
+    assert m["calibration"]["source"].endswith("groups-merged.txt") and len(m["calibration"]["sha256"]) == 64
     assert {"preflight", "load", "calibrate", "quantize"} <= set(m["timings_s"])
     assert m["versions"]["torch"] and "commit" in m["git"]
     assert m["device"] == "cpu" and m["cuda_allocator"] is None  # CUDA runs record their allocator settings

@@ -5,17 +5,40 @@ import pytest
 from quantize import calib
 
 
-def test_bundled_texts_offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    t = calib.load_text("pileval")
-    assert t.source.endswith("calib-pile-mix.txt") and len(t.documents) > 100 and len(t.sha256) == 64
+@pytest.mark.parametrize("offline", ["1", "0"])
+def test_bundled_names_are_one_text_everywhere(monkeypatch, offline):
+    """A bundled name reads its file whether or not the hub may be used: the same text, the same hash."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(calib, "_from_hub", lambda *a, **k: pytest.fail("a bundled name must not touch the hub"))
+    t = calib.load_text("groups-merged")
+    assert t.source.endswith("groups-merged.txt") and len(t.documents) > 100
     assert calib.load_text("wikitext2").source.endswith("wikitext2-raw-test.txt")
 
 
 def test_hub_name_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(calib.CalibrationError, match="HF_HUB_OFFLINE=1"):
+    with pytest.raises(calib.CalibrationError, match="not in the local cache.*calibration.dataset: groups-merged"):
         calib.load_text("someone/some-dataset")
+
+
+@pytest.mark.parametrize("name", ["pileval", "someone/some-dataset"])
+def test_unreachable_hub_stops_fast_naming_the_bundled_text(monkeypatch, name):
+    """No HF_HUB_OFFLINE, no network: the run stops within the probe's bound, never falls back silently."""
+    import time
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(calib, "_from_hub", lambda *a, **k: pytest.fail("the hub was unreachable: no load"))
+    monkeypatch.setenv("HF_ENDPOINT", "http://192.0.2.1:9")  # TEST-NET-1: never answers
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://192.0.2.1:9")
+    t0 = time.perf_counter()
+    with pytest.raises(calib.CalibrationError) as e:
+        calib.load_text(name)
+    assert time.perf_counter() - t0 < 2.0
+    msg = str(e.value)
+    assert "cannot be reached" in msg and "`calibration.dataset: groups-merged`" in msg
+    assert ("mit-han-lab/pile-val-backup" if name == "pileval" else name) in msg
 
 
 def test_local_jsonl_and_parquet(tmp_path):

@@ -44,7 +44,7 @@ def test_shipped_recipes_include_the_required_ones():
     seed = load_recipe("qwen7b-awq-g128")
     assert (seed.model, seed.w_bit, seed.q_group_size, seed.zero_point, seed.version) == (
         "Qwen/Qwen2.5-7B-Instruct", 4, 128, True, "gemm")
-    assert (seed.calibration.dataset, seed.calibration.n_samples, seed.calibration.seq_len) == ("pileval", 128, 512)
+    assert (seed.calibration.dataset, seed.calibration.n_samples, seed.calibration.seq_len) == ("groups-merged", 128, 512)
     assert load_recipe("qwen7b-awq-g32").q_group_size == 32
 
 
