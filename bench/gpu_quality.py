@@ -7,7 +7,7 @@
    on the host's Python standard library sources (every 10th file, in sorted path order, held out), and keeps
    the weights with the lowest held-out loss. Saved as a bf16 safetensors checkpoint with its tokenizer.
    (The bundled text is too small: a first try on it over-fitted within 200 steps.)
-2. Quantizes it, W4 g128, 128 x 512 calibration tokens of the bundled pileval text, at calibration seeds
+2. Quantizes it, W4 g128, 128 x 512 calibration tokens of the bundled groups-merged text, at calibration seeds
    0, 1, 2 (the seed spread is the noise scale):
    - the current code: AWQ and GPTQ with their defaults, and GPTQ with `gptq.update: tf32`;
    - the baseline (`--baseline`: a `git archive` of dba369e, the last commit before any issue-6 speed change:
@@ -120,7 +120,7 @@ def train(out: Path, files: tuple[list[str], list[str], dict], steps: int, devic
 
 def recipe(work: Path, name: str, model: Path, method: str, seed: int, args, extra: dict | None = None) -> Path:
     r = {"name": name, "model": str(model), "method": method, "w_bit": 4, "q_group_size": 128,
-         "zero_point": method == "awq", "calibration": {"dataset": "pileval", "n_samples": args.n_samples,
+         "zero_point": method == "awq", "calibration": {"dataset": "groups-merged", "n_samples": args.n_samples,
                                                          "seq_len": 512, "seed": seed},
          "modules_to_not_convert": ["lm_head"], "dtype": "bfloat16", "device": args.device,
          "eval": {"enabled": False}, **(extra or {})}
@@ -151,7 +151,7 @@ def start_baseline(baseline: Path, path: Path, out_root: Path, log_dir: Path) ->
 def score(model, wins: torch.Tensor) -> float:
     from eval.perplexity import perplexity
 
-    return perplexity(model, wins, progress_every=10**9)["ppl"]
+    return perplexity(model, wins)["ppl"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,8 @@ computes with, so scoring this model scores the artifact itself, not pre-pack fa
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -46,13 +48,18 @@ def verify_manifest(path: Path) -> bool:
     return True
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (sharded) safetensors checkpoint directory."""
+def safetensors_files(path: Path) -> list[Path]:
+    """The (sharded) safetensors files of a checkpoint directory; ArtifactError if there are none."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ArtifactError(f"{path} has no .safetensors files")
+    return files
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (sharded) safetensors checkpoint directory."""
     out: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in safetensors_files(path):
         with safe_open(str(f), framework="pt") as st:
             for k in st.keys():
                 out[k] = st.get_tensor(k)
@@ -78,8 +85,10 @@ def _format(qcfg: dict, path: Path) -> tuple[str, int]:
     raise ArtifactError(f"{path}: quant_method {method!r} is not readable here (awq, gptq, compressed-tensors)")
 
 
-def dequantized_state_dict(path: Path, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], dict]:
-    """Artifact dir -> (state dict with every packed linear decoded to `.weight`, quantization_config)."""
+def decoded_tensors(path: Path, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Artifact dir -> (name, tensor) one at a time: each packed linear decoded on `device` to its `.weight`
+    (float32), every other tensor as stored. Only one module's tensors are held at a time, so a 7B artifact
+    never needs a whole decoded copy in host memory."""
     config = json.loads((Path(path) / "config.json").read_text())
     qcfg = config.get("quantization_config")
     if not qcfg:
@@ -87,27 +96,42 @@ def dequantized_state_dict(path: Path, dtype: torch.dtype = torch.float32) -> tu
     fmt, bits = _format(qcfg, Path(path))
     if fmt == "awq" and bits != 4:
         raise ArtifactError(f"{path}: bits {bits} is not supported by the AWQ GEMM reader (4 only)")
-    tensors = read_tensors(path)
-    marker = "." + PACKED_TENSOR[fmt]
-    modules = [k.removesuffix(marker) for k in tensors if k.endswith(marker)]
-    out: dict[str, torch.Tensor] = {}
-    for m in modules:
-        own = {k.removeprefix(f"{m}."): tensors.pop(k) for k in list(tensors) if k.startswith(f"{m}.")
-               and k.removeprefix(f"{m}.") in _SUFFIXES[fmt]}
-        if fmt == "awq":
-            codes, scales, zeros = awq_gemm.unpack(own)
-            if not qcfg.get("zero_point", True):
-                zeros = torch.full_like(zeros, 8)  # vLLM ignores qzeros without zero points: (q - 8) * s
-        elif fmt == "gptq":
-            codes, scales, zeros = gptq.unpack(own, bits)
-            if qcfg.get("sym", True):
-                zeros = torch.full_like(zeros, 2 ** (bits - 1))  # vLLM ignores qzeros with sym
-        else:
-            codes, scales, zeros = compressed_tensors.unpack(own, bits)
-        out[f"{m}.weight"] = dequantize(codes, scales, zeros).to(dtype)
-    for name, t in tensors.items():
-        out[name] = t.to(dtype) if t.is_floating_point() else t
-    return out, qcfg
+    with ExitStack() as stack:
+        where = {}  # tensor name -> the open shard that holds it
+        for f in safetensors_files(path):
+            st = stack.enter_context(safe_open(str(f), framework="pt"))
+            where.update({k: st for k in st.keys()})
+        marker = "." + PACKED_TENSOR[fmt]
+        used: set[str] = set()
+        for m in [k.removesuffix(marker) for k in where if k.endswith(marker)]:
+            names = [f"{m}.{s}" for s in _SUFFIXES[fmt] if f"{m}.{s}" in where]
+            own = {n.removeprefix(f"{m}."): where[n].get_tensor(n).to(device) for n in names}
+            used.update(names)
+            yield f"{m}.weight", _decode(fmt, own, qcfg, bits)
+        for name, st in where.items():
+            if name not in used:
+                yield name, st.get_tensor(name)
+
+
+def _decode(fmt: str, own: dict[str, torch.Tensor], qcfg: dict, bits: int) -> torch.Tensor:
+    """One module's packed tensors -> its dequantized weight [out, in] (float32), as vLLM computes with it."""
+    if fmt == "awq":
+        codes, scales, zeros = awq_gemm.unpack(own)
+        if not qcfg.get("zero_point", True):
+            zeros = torch.full_like(zeros, 8)  # vLLM ignores qzeros without zero points: (q - 8) * s
+    elif fmt == "gptq":
+        codes, scales, zeros = gptq.unpack(own, bits)
+        if qcfg.get("sym", True):
+            zeros = torch.full_like(zeros, 2 ** (bits - 1))  # vLLM ignores qzeros with sym
+    else:
+        codes, scales, zeros = compressed_tensors.unpack(own, bits)
+    return dequantize(codes, scales, zeros)
+
+
+def dequantized_state_dict(path: Path, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], dict]:
+    """Artifact dir -> (state dict with every packed linear decoded to `.weight`, quantization_config)."""
+    out = {name: t.to(dtype) if t.is_floating_point() else t for name, t in decoded_tensors(path)}
+    return out, json.loads((Path(path) / "config.json").read_text())["quantization_config"]
 
 
 PACKED_TENSOR = {"awq": "qweight", "gptq": "qweight", "compressed-tensors": "weight_packed"}  # int32, 32/w_bit codes each
@@ -119,20 +143,44 @@ _SUFFIXES = {
 }
 
 
-def load_dequantized(path: Path, dtype: torch.dtype = torch.float32):
-    """Artifact dir -> transformers causal LM (CPU, eval mode) holding the decoded weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def empty_model(config, dtype: torch.dtype, device: torch.device | str):
+    """A transformers causal LM of `config` allocated on `device` without running its initializers (every
+    parameter is overwritten next); buffers computed at construction (rotary frequencies) are real."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with torch.device(device), no_init_weights():
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+
+
+def load_dequantized(path: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    """Artifact dir -> transformers causal LM on `device` (eval mode) holding the decoded weights.
+
+    The model is allocated empty on the device and filled tensor by tensor as the artifact is decoded there:
+    one copy of the model, on the device, plus one module's temporaries.
+    """
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    state, _ = dequantized_state_dict(path, dtype)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and config.get_text_config().tie_word_embeddings)]
-    if missing or unexpected:
+    model = empty_model(config, dtype, device)
+    params = model.state_dict()
+    filled, unexpected, wrong = set(), [], []
+    with torch.no_grad():
+        for name, t in decoded_tensors(path, device):
+            if name not in params:
+                unexpected.append(name)
+            elif params[name].shape != t.shape:
+                wrong.append(f"{name} {list(t.shape)} (model: {list(params[name].shape)})")
+            else:
+                params[name].copy_(t)
+                filled.add(name)
+    tied = config.get_text_config().tie_word_embeddings
+    missing = [m for m in params if m not in filled and not (m == "lm_head.weight" and tied)]
+    if missing or unexpected or wrong:
         raise ArtifactError(f"{path}: tensors do not match the architecture: missing {missing[:5]}, "
-                            f"unexpected {unexpected[:5]}")
-    if config.get_text_config().tie_word_embeddings:
+                            f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}")
+    if tied:
         model.tie_weights()
     return model.eval()

@@ -7,9 +7,11 @@ The report's sha256 is recorded in the artifact's manifest (rewritten atomically
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import shutil
@@ -24,11 +26,12 @@ import torch
 
 from quantize import modelcard, source
 from quantize.calib import hub_offline
-from quantize.export import MANIFEST, sha256_file
+from quantize.export import MANIFEST, atomic_write_text, sha256_file
 
+from . import refcache
 from .artifact import load_dequantized, verify_manifest
-from .perplexity import Protocol, load_eval_text, perplexity, protocol_record, windows
-from .smoke import smoke
+from .perplexity import Protocol, batch_windows, load_eval_text, perplexity, protocol_record, windows
+from .smoke import smoke, vllm_missing
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ def _machine() -> str:
     return f"{platform.machine()} {cpu}, {os.cpu_count()} cores, {gpu}"
 
 
-def _lm_eval(artifact: Path, opts) -> dict:
+def _lm_eval(artifact: Path, opts, dtype: str) -> dict:
     """Run the lm-evaluation-harness (its vLLM backend) when its task data can be reached; else say why not."""
     if not opts.tasks:
         return {"skipped": "no eval.lm_eval.tasks in the recipe"}
@@ -50,7 +53,7 @@ def _lm_eval(artifact: Path, opts) -> dict:
         return {"skipped": "lm-eval is not installed (pip install lm-eval)"}
     with tempfile.TemporaryDirectory() as work:
         cmd = [sys.executable, "-m", "lm_eval", "--model", "vllm", "--model_args",
-               f"pretrained={artifact},dtype=float16,enforce_eager=True", "--tasks", ",".join(opts.tasks),
+               f"pretrained={artifact},dtype={dtype},enforce_eager=True", "--tasks", ",".join(opts.tasks),
                "--output_path", work] + (["--limit", str(opts.limit)] if opts.limit else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
@@ -59,41 +62,115 @@ def _lm_eval(artifact: Path, opts) -> dict:
         return json.loads(found[-1].read_text())["results"] if found else {"error": "no results file written"}
 
 
-def _ppl_block(reference, quantized, tokenizer, popts, cache: dict) -> dict:
-    proto = Protocol(dataset=popts.dataset, seq_len=popts.seq_len, max_windows=popts.max_windows)
-    text, where = load_eval_text(popts.dataset)
-    wins = windows(tokenizer, text, proto)
-    log.info("perplexity: %d windows of %d tokens from %s", wins.shape[0], proto.seq_len, where)
-    key = ("fp_ppl", proto)
-    if key not in cache:  # the reference's perplexity is the same for every artifact of one base model
-        cache[key] = perplexity(reference, wins)
-    fp = cache[key]
-    q = perplexity(quantized, wins)
-    delta = q["ppl"] - fp["ppl"]
-    return {"protocol": protocol_record(proto, text, where, wins),
-            "fp16": {k: fp[k] for k in ("ppl", "tokens", "seconds")},
-            "quantized": {k: q[k] for k in ("ppl", "tokens", "seconds")},
-            "delta": delta, "delta_pct": 100 * delta / fp["ppl"]}
+def eval_device(manifest: dict) -> torch.device:
+    """Where the eval computes: where the artifact was quantized (the manifest's `device`) when that device is
+    here; an artifact with no manifest, on CUDA when torch sees it, else on the CPU."""
+    want = manifest.get("device")
+    if want is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if want.startswith("cuda") and not torch.cuda.is_available():
+        log.warning("the artifact was quantized on %s but no CUDA device is visible: evaluating on the CPU", want)
+        return torch.device("cpu")
+    return torch.device(want)
+
+
+def served_dtype(artifact: Path, manifest: dict) -> str:
+    """The artifact's 16-bit dtype (the recipe's `dtype`; else config.json's): what vLLM and a GPU eval use."""
+    dtype = (manifest.get("recipe") or {}).get("dtype")
+    if dtype is None:
+        config = json.loads((artifact / "config.json").read_text())
+        dtype = str(config.get("dtype") or config.get("torch_dtype") or "float16")
+    return dtype if dtype in ("float16", "bfloat16") else "float16"
+
+
+def eval_dtype(device: torch.device, served: str) -> torch.dtype:
+    """float32 on the CPU (the recorded CPU protocol; half precision there is slow and less exact), else the
+    artifact's own 16-bit dtype."""
+    return torch.float32 if device.type == "cpu" else getattr(torch, served)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _reset_host_peak() -> bool:
+    """Restart the kernel's peak-RSS counter (VmHWM) for this process; False where that is not allowed."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _host_peak_bytes() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reference_ppl(ctx: dict, load_reference, wins: torch.Tensor, record: dict, timings: dict) -> tuple[dict, dict]:
+    """The reference's perplexity from the cache (verified by its key) or scored now -> (result, cache info)."""
+    t0 = time.perf_counter()
+    shared = ctx["shared"]
+    if "model_sha256" not in shared:
+        shared["model_sha256"] = refcache.model_sha256(shared["src"].path)
+    key = refcache.make_key(shared["model_sha256"], record, ctx["dtype"], ctx["device"])
+    timings["reference_hash"] = round(time.perf_counter() - t0, 2)
+    info = {"key_sha256": refcache.entry_path(key).stem, "model_sha256": shared["model_sha256"]}
+    fp = refcache.lookup(key)
+    if fp is not None:
+        return fp, {**info, "hit": True}
+    fp = perplexity(load_reference(), wins, ctx["batch"], "reference")
+    timings["perplexity_reference"] = fp["seconds"]
+    stored = refcache.store(key, fp)
+    return fp, {**info, "hit": False, "stored": str(stored) if stored else None}
 
 
 def _gates(ppl: dict | None, eopts) -> dict:
     failures = []
     if ppl is not None:
-        if eopts.max_ppl_delta is not None and ppl["delta"] > eopts.max_ppl_delta:
+        broken = [f"{name} {ppl[k]['ppl']}" for k, name in (("fp16", "reference"), ("quantized", "quantized"))
+                  if not math.isfinite(ppl[k]["ppl"])]
+        if broken:
+            failures.append(f"perplexity is not finite ({', '.join(broken)}): the model computes NaN or infinite "
+                            f"logits, so no gate can pass")
+        elif eopts.max_ppl_delta is not None and ppl["delta"] > eopts.max_ppl_delta:
             failures.append(f"perplexity delta {ppl['delta']:.4f} > eval.max_ppl_delta {eopts.max_ppl_delta}")
-        if eopts.max_ppl_delta_pct is not None and ppl["delta_pct"] > eopts.max_ppl_delta_pct:
+        if not broken and eopts.max_ppl_delta_pct is not None and ppl["delta_pct"] > eopts.max_ppl_delta_pct:
             failures.append(f"perplexity delta {ppl['delta_pct']:.2f}% > eval.max_ppl_delta_pct "
                             f"{eopts.max_ppl_delta_pct}%")
     return {"max_ppl_delta": eopts.max_ppl_delta, "max_ppl_delta_pct": eopts.max_ppl_delta_pct,
             "failures": failures, "passed": not failures}
 
 
+def _context(artifact: Path, base_spec: str, manifest: dict, compute_dtype, cache: dict | None) -> dict:
+    """What every step of one eval shares (and a comparison's variants of one base model reuse): the base
+    model's source, tokenizer and files' sha256, the device, dtype and batch."""
+    device = eval_device(manifest)
+    served = served_dtype(artifact, manifest)
+    dtype = compute_dtype or eval_dtype(device, served)
+    shared = cache.setdefault((base_spec, str(device), str(dtype)), {}) if cache is not None else {}
+    if "src" not in shared:
+        shared["src"] = source.resolve(base_spec)
+        shared["tokenizer"] = source.load_tokenizer(shared["src"])
+    return {**shared, "device": device, "dtype": dtype, "served": served, "shared": shared}
+
+
 def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.dtype | None = None,
              cache: dict | None = None) -> dict:
     """Run the whole eval stage on `artifact` -> report dict (also written into the artifact).
 
-    cache: pass one dict to several calls on artifacts of the same base model (a comparison) so the reference
-    model is loaded, and its perplexity computed, once.
+    On the device that quantized it (CUDA: the artifact's 16-bit dtype; CPU: float32), one model on the device
+    at a time: vLLM's smoke-load first (a child process), then the reference (only if the smoke test needs it
+    or its perplexity is not cached), then the decoded artifact.
+    cache: pass one dict to several calls on artifacts of the same base model (a comparison) so the base
+    model's files are resolved and hashed once.
     """
     artifact = Path(artifact)
     verified = verify_manifest(artifact)  # refuses a tampered artifact before anything reads it
@@ -101,32 +178,62 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     base_spec = base_spec or manifest.get("model", {}).get("spec")
     if not base_spec:
         raise ValueError(f"{artifact}: no manifest names its base model; pass --base <model spec>")
-    dtype = compute_dtype or (torch.float16 if torch.cuda.is_available() else torch.float32)
+    peak_reset = _reset_host_peak()
     timings: dict[str, float] = {}
-    t0 = time.perf_counter()
-    shared = cache.setdefault((base_spec, str(dtype)), {}) if cache is not None else {}
-    if "reference" not in shared:
-        src = source.resolve(base_spec)
-        shared["reference"] = source.load_model(src, dtype)
-        shared["tokenizer"] = source.load_tokenizer(src)
-    reference, tokenizer = shared["reference"], shared["tokenizer"]
-    quantized = load_dequantized(artifact, dtype)
-    timings["load"] = round(time.perf_counter() - t0, 2)
-    t0 = time.perf_counter()
-    ppl = _ppl_block(reference, quantized, tokenizer, eopts.perplexity, shared)
-    timings["perplexity"] = round(time.perf_counter() - t0, 2)
-    del quantized
+    ctx = _context(artifact, base_spec, manifest, compute_dtype, cache)
+    device, dtype = ctx["device"], ctx["dtype"]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    popts = eopts.perplexity
+    proto = Protocol(dataset=popts.dataset, seq_len=popts.seq_len, max_windows=popts.max_windows)
+    text, where = load_eval_text(popts.dataset)
+    wins = windows(ctx["tokenizer"], text, proto)
+    record = protocol_record(proto, text, where, wins)
+    ctx["batch"] = batch_windows(device, proto.seq_len)
+    log.info("eval on %s in %s: %d windows of %d tokens from %s, %d per forward", refcache.device_kind(device),
+             str(dtype).removeprefix("torch."), wins.shape[0], proto.seq_len, where, ctx["batch"])
+    held: dict = {}
+
+    def load_reference():
+        if "model" not in held:
+            t0 = time.perf_counter()
+            held["model"] = source.load_model(ctx["src"], dtype, device=device)
+            timings["load_reference"] = round(time.perf_counter() - t0, 2)
+        return held["model"]
+
     smoke_res: dict = {"skipped": "eval.vllm.enabled is false"}
     if eopts.vllm.enabled:
-        t0 = time.perf_counter()
-        smoke_res = smoke(artifact, reference, tokenizer, eopts.vllm.max_tokens, eopts.vllm.min_token_agreement,
-                          eopts.vllm.timeout_s)
-        timings["vllm_smoke"] = round(time.perf_counter() - t0, 2)
-    lm = _lm_eval(artifact, eopts.lm_eval)
+        smoke_res = {"skipped": vllm_missing()} if vllm_missing() else None
+        if smoke_res is None:
+            t0 = time.perf_counter()
+            smoke_res = smoke(artifact, load_reference, ctx["tokenizer"], ctx["served"], eopts.vllm.max_tokens,
+                              eopts.vllm.min_token_agreement, eopts.vllm.timeout_s)
+            timings["vllm_smoke"] = round(time.perf_counter() - t0, 2)
+    fp, cache_info = _reference_ppl(ctx, load_reference, wins, record, timings)
+    held.clear()
+    _free(device)
+    t0 = time.perf_counter()
+    quantized = load_dequantized(artifact, dtype, device)
+    timings["load_quantized"] = round(time.perf_counter() - t0, 2)
+    q = perplexity(quantized, wins, ctx["batch"], "quantized")
+    timings["perplexity_quantized"] = q["seconds"]
+    del quantized
+    _free(device)
+    delta = q["ppl"] - fp["ppl"]
+    ppl = {"protocol": record, "fp16": {k: fp[k] for k in ("ppl", "tokens", "seconds")},
+           "quantized": {k: q[k] for k in ("ppl", "tokens", "seconds")},
+           "delta": delta, "delta_pct": 100 * delta / fp["ppl"]}
+    lm = _lm_eval(artifact, eopts.lm_eval, ctx["served"])
     gates = _gates(ppl, eopts)
     passed = gates["passed"] and smoke_res.get("passed", True)
+    scored = {"device": refcache.device_kind(device), "dtype": str(dtype).removeprefix("torch."),
+              "windows_per_forward": ctx["batch"], "reference_cache": cache_info,
+              "host_rss_peak_bytes": _host_peak_bytes(),
+              "host_rss_peak_scope": "eval stage" if peak_reset else "process lifetime",
+              "device_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     report = {
-        "artifact": str(artifact), "manifest_verified": verified, "base_model": base_spec, "reference_dtype": str(dtype).removeprefix("torch."),
+        "artifact": str(artifact), "manifest_verified": verified, "base_model": base_spec,
+        "reference_dtype": scored["dtype"], "scored_on": scored,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": _machine(),
         "perplexity": ppl, "gates": gates, "vllm_smoke": smoke_res, "lm_eval": lm,
         "quantize_timings_s": manifest.get("timings_s"), "eval_timings_s": timings, "passed": passed,
@@ -141,7 +248,7 @@ def render_markdown(r: dict) -> str:
         f"# Evaluation report: `{Path(r['artifact']).name}`", "",
         f"Base model `{r['base_model']}` · {r['date']} · {r['machine']} · **{'PASSED' if r['passed'] else 'FAILED'}**",
         "", "## Perplexity", "",
-        f"Protocol: {modelcard.protocol_sentence(p['protocol'])}; reference computed in {r['reference_dtype']}.",
+        f"Protocol: {modelcard.protocol_sentence(p['protocol'])}; {modelcard.scored_sentence(r)}.",
         "",
         "| model | perplexity | Δ | Δ % |", "|---|---:|---:|---:|",
         f"| FP16 (base) | {p['fp16']['ppl']:.4f} | | |",
@@ -171,28 +278,20 @@ def render_markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_report(artifact: Path, report: dict) -> None:
     """report.json + report.md into the artifact; their sha256 into manifest.json (each write atomic)."""
-    _atomic_write(artifact / "report.json", json.dumps(report, indent=2) + "\n")
-    _atomic_write(artifact / "report.md", render_markdown(report))
+    atomic_write_text(artifact / "report.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(artifact / "report.md", render_markdown(report))
     mpath = artifact / MANIFEST
     if mpath.is_file():
         m = json.loads(mpath.read_text())
         m["report"] = {n: sha256_file(artifact / n) for n in ("report.json", "report.md")}
         m["report"]["passed"] = report["passed"]
         if "recipe" in m:  # our artifact: its model card gains the measured numbers
-            _atomic_write(artifact / "README.md", modelcard.render(m, report))
+            atomic_write_text(artifact / "README.md", modelcard.render(m, report))
             m.setdefault("files", {})["README.md"] = {"sha256": sha256_file(artifact / "README.md"),
                                                       "bytes": (artifact / "README.md").stat().st_size}
-        _atomic_write(mpath, json.dumps(m, indent=2) + "\n")
+        atomic_write_text(mpath, json.dumps(m, indent=2) + "\n")
 
 
 def report_hash_ok(artifact: Path) -> bool:

@@ -9,8 +9,10 @@ Checks (each recorded in the report, any failure fails the smoke test):
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,33 +52,46 @@ def _degenerate(tokens: list[int], logprobs: list[dict]) -> str | None:
 def teacher_forced_agreement(reference, prompts: list[list[int]], generations: list[list[int]]) -> float:
     """Fraction of generated positions where the reference model's argmax equals the generated token."""
     hits = total = 0
+    device = next(reference.parameters()).device
     for p, g in zip(prompts, generations):
         if not g:
             continue
-        ids = torch.tensor([p + g])
+        ids = torch.tensor([p + g], device=device)
         logits = reference(input_ids=ids, use_cache=False).logits[0]  # [len, vocab]
         pred = logits[len(p) - 1 : len(p) - 1 + len(g)].argmax(-1)  # predicts each generated token
-        hits += int((pred == torch.tensor(g)).sum())
+        hits += int((pred == torch.tensor(g, device=device)).sum())
         total += len(g)
     return hits / max(total, 1)
 
 
-def smoke(artifact: Path, reference, tokenizer, max_tokens: int = 32, min_agreement: float = 0.6,
-          timeout: float = 600) -> dict:
-    """-> {passed, checks, errors, load_s, tokens_per_s, method, kernels, samples}; never raises on vLLM failure."""
+def vllm_missing() -> str | None:
+    """Why vLLM cannot run here (the smoke stage is then skipped with this reason), or None."""
+    return "vllm not importable" if importlib.util.find_spec("vllm") is None else None
+
+
+def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str = "float16", max_tokens: int = 32,
+          min_agreement: float = 0.6, timeout: float = 600) -> dict:
+    """-> {passed, checks, errors, load_s, tokens_per_s, method, kernels, device, samples}; never raises on a
+    vLLM failure.
+
+    vLLM runs first, in a child process, on a device this process holds nothing on; `reference()` (the
+    unquantized model, for the agreement check) is called only once vLLM has exited.
+    dtype: what vLLM computes in, the artifact's 16-bit dtype (a bfloat16-only model refuses float16).
+    """
     qcfg = json.loads((Path(artifact) / "config.json").read_text()).get("quantization_config", {})
     expected = qcfg.get("quant_method")
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    out: dict = {"passed": False, "expected_method": expected, "errors": [], "checks": {}}
+    out: dict = {"passed": False, "expected_method": expected, "dtype": dtype, "errors": [], "checks": {}}
     try:
-        res = run_vllm(Path(artifact), prompts, top_k=1, max_tokens=max_tokens, timeout=timeout)
+        res = run_vllm(Path(artifact), prompts, top_k=1, max_tokens=max_tokens, timeout=timeout, dtype=dtype)
     except VllmError as e:
         out["errors"].append(str(e))
         out["checks"]["loaded"] = False
         return out
     out["checks"]["loaded"] = True
     method = res.get("quantization")
-    out.update(method=method, kernels=res.get("kernels", []), load_s=round(res["load_s"], 2),
+    out.update(method=method, kernels=res.get("kernels", []), device=res.get("device"),
+               load_s=round(res["load_s"], 2),
                tokens_per_s=round(res["generated_tokens"] / max(res["generate_s"], 1e-9), 2))
     ok_method = method in METHOD_NAMES.get(expected, {expected})
     out["checks"]["method"] = ok_method
@@ -87,7 +102,7 @@ def smoke(artifact: Path, reference, tokenizer, max_tokens: int = 32, min_agreem
     out["checks"]["not_degenerate"] = not bad
     for i, why in bad:
         out["errors"].append(f"prompt {i} ({PROMPTS[i]!r}): degenerate output: {why}")
-    agreement = teacher_forced_agreement(reference, prompts, res["generations"])
+    agreement = teacher_forced_agreement(reference(), prompts, res["generations"])
     out["token_agreement"] = round(agreement, 4)
     out["checks"]["agreement"] = agreement >= min_agreement
     if agreement < min_agreement:

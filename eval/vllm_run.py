@@ -39,13 +39,21 @@ def vllm_env(work: Path) -> dict[str, str]:
 
 
 def run_vllm(model_dir: Path, token_ids: list[list[int]], top_k: int = 5, max_tokens: int = 8,
-             dtype: str = "float16", timeout: float = 600, max_model_len: int = 512) -> dict:
-    """Start vLLM on model_dir in a subprocess -> {prompt_logprobs, generations, quantization, load_s}."""
+             dtype: str = "float16", timeout: float = 600, max_model_len: int = 512,
+             memory_fraction: float | None = None) -> dict:
+    """Start vLLM on model_dir in a subprocess -> {prompt_logprobs, generations, quantization, device, load_s}.
+
+    memory_fraction: vLLM's gpu_memory_utilization. Default: 0.3 on the CPU build (it reserves that share of
+    host RAM and refuses to start when other processes hold it), 0.85 on a GPU (this process holds no model
+    there while vLLM runs).
+    """
+    if memory_fraction is None:
+        memory_fraction = 0.85 if _cuda_build() else 0.3
     with tempfile.TemporaryDirectory(prefix="vllm-run-") as work_s:
         work = Path(work_s)
         (work / "prompts.json").write_text(json.dumps(
             {"token_ids": token_ids, "top_k": top_k, "max_tokens": max_tokens, "dtype": dtype,
-             "max_model_len": max_model_len}))
+             "max_model_len": max_model_len, "gpu_memory_utilization": memory_fraction}))
         cmd = [sys.executable, "-m", "eval.vllm_run", "--model", str(model_dir), "--prompts",
                str(work / "prompts.json"), "--out", str(work / "out.json")]
         try:
@@ -61,17 +69,52 @@ def run_vllm(model_dir: Path, token_ids: list[list[int]], top_k: int = 5, max_to
         return result
 
 
+def _cuda_build() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def kernels_from_log(text: str) -> list[str]:
     """vLLM's 'Using <Kernel> for <method>' lines -> ['CPUWNA16LinearKernel for AutoAWQMarlinLinearMethod', ...]."""
     found = re.findall(r"Using (\w+Kernel\w*) for ([\w -]+)", text)
     return sorted({f"{k} for {m.strip()}" for k, m in found})
 
 
-def root_cause(stderr: str, keep: int = 12) -> str:
-    """The lines of vLLM's stderr that say why it failed (its workers' errors), else the tail."""
-    lines = stderr.strip().splitlines()
-    hits = [ln for ln in lines if "Error" in ln or "error:" in ln or "cannot implement" in ln]
-    return "\n".join((hits or lines)[-keep:])
+def root_cause(log: str, keep: int = 12) -> str:
+    """The lines of vLLM's output that say why it failed, else the tail.
+
+    Error lines are kept, and so are the indented lines under a pydantic "N validation error(s) for X" line:
+    they hold the reason (e.g. "Value error, ... is not supported for quantization method awq"), which the
+    error line itself does not. Very long lines (echoed arguments) are cut.
+    """
+    lines = log.strip().splitlines()
+    hits: list[str] = []
+    under_validation = False
+    for ln in lines:
+        body = _strip_prefix(ln)
+        if re.search(r"\d+ validation errors? for", body):
+            under_validation = True
+            hits.append(ln)
+        elif under_validation and body[:1] in (" ", "\t") and body.strip():
+            if not body.strip().startswith("For further information"):
+                hits.append(ln)
+        else:
+            under_validation = False
+            if "Error" in ln or "error:" in ln or "cannot implement" in ln:
+                hits.append(ln)
+    hits = list(dict.fromkeys(hits))  # workers repeat the same error
+    return "\n".join(_cut(x) for x in (hits or lines)[-keep:])
+
+
+def _strip_prefix(line: str) -> str:
+    """vLLM prefixes worker output with '(EngineCore pid=N) ' ; what follows is the message."""
+    return re.sub(r"^\(\w+(?: pid=\d+)?\)\s?", "", line)
+
+
+def _cut(line: str, width: int = 600) -> str:
+    line = re.sub(r"input_value=.*?, input_type=", "input_value=..., input_type=", line)
+    return line if len(line) <= width else line[:width] + " ..."
 
 
 def _child(model: str, prompts_path: str, out_path: str) -> None:
@@ -81,15 +124,20 @@ def _child(model: str, prompts_path: str, out_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=model, dtype=spec["dtype"], enforce_eager=True, max_model_len=spec["max_model_len"],
-              seed=0, max_num_seqs=8)
+              seed=0, max_num_seqs=8, gpu_memory_utilization=spec["gpu_memory_utilization"])
     load_s = time.perf_counter() - t0
+    from vllm.platforms import current_platform
+
+    import torch
+
+    device = torch.cuda.get_device_name(0) if current_platform.is_cuda() else current_platform.device_type
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["token_ids"]]
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=spec["top_k"],
                             prompt_logprobs=spec["top_k"])
     t1 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.perf_counter() - t1
-    result = {"load_s": load_s, "generate_s": gen_s, "prompt_logprobs": [], "generations": [], "gen_logprobs": []}
+    result = {"load_s": load_s, "generate_s": gen_s, "device": device, "prompt_logprobs": [], "generations": [], "gen_logprobs": []}
     for o in outputs:
         # prompt_logprobs[0] is None (no prediction for the first token); keep position -> {token: logprob}
         result["prompt_logprobs"].append(

@@ -12,7 +12,7 @@ import torch
 from .arch import UnsupportedArchitecture
 from .calib import CalibrationError
 from .capture import NumericalError
-from .export import DiskFullError, OutputExistsError
+from .export import DiskFullError, NonFiniteTensorError, OutputExistsError
 from .lock import OutputLockedError
 from .preflight import PreflightError
 from .recipe import RecipeError, list_recipes, load_recipe, load_variants
@@ -23,7 +23,8 @@ from .source import ModelSourceError
 # and keeps its traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (RecipeError, PreflightError, ModelSourceError, CalibrationError,
                                                 UnsupportedArchitecture, OutputExistsError, FileNotFoundError,
-                                                RegistryError, OutputLockedError, DiskFullError, NumericalError)
+                                                RegistryError, OutputLockedError, DiskFullError, NumericalError,
+                                                NonFiniteTensorError)
 
 
 def _parser() -> argparse.ArgumentParser:

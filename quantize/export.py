@@ -41,12 +41,48 @@ class DiskFullError(OSError):
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
+class NonFiniteTensorError(FloatingPointError):
+    """A tensor bound for an artifact holds NaN or inf; nothing was written."""
+
+
+def check_finite(tensors: dict[str, torch.Tensor], origin: str) -> None:
+    """Refuse NaN/inf in any floating tensor bound for an artifact (unquantized norms, embeddings, lm_head,
+    scales): a NaN there is silent garbage that vLLM would serve. Raises NonFiniteTensorError naming them."""
+    bad = []
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            n = int((~torch.isfinite(t)).sum())
+            bad.append(f"{name} ({n} of {t.numel()} values NaN or inf)")
+    if bad:
+        raise NonFiniteTensorError(
+            f"{len(bad)} tensor(s) to be written hold NaN or inf: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
+            f"; nothing was written. Check the same tensors in {origin}: if they are non-finite there, the "
+            f"checkpoint is damaged (re-download or re-convert it); if not, rerun with `dtype: bfloat16` or "
+            f"`compute_dtype: float32` in the recipe")
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` through a fsynced sibling temp file and a rename: readers see the old or the new
+    file, never a part."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -62,13 +62,22 @@ def protocol_sentence(proto: dict) -> str:
             f"token-level exp(mean NLL) over {proto['tokens_scored']} predicted tokens")
 
 
+def scored_sentence(report: dict) -> str:
+    """Which device and dtype scored both models, and whether the reference's number came from the cache."""
+    s = report.get("scored_on")
+    if not s:
+        return f"both models scored in {report['reference_dtype']}"
+    cached = " (reference from the verified cache)" if s["reference_cache"].get("hit") else ""
+    return f"both models scored on {s['device']} in {s['dtype']}{cached}"
+
+
 def _evaluation(report: dict | None) -> list[str]:
     if report is None:
         return ["Not evaluated yet: run `make eval RECIPE=<name>` (perplexity against the FP16 base and a vLLM "
                 "smoke-load); this card is then rewritten with the numbers."]
     p, s = report["perplexity"], report["vllm_smoke"]
     lines = [f"Measured {report['date']} on {report['machine']} · eval **{'PASSED' if report['passed'] else 'FAILED'}**",
-             "", f"Protocol: {protocol_sentence(p['protocol'])}; reference in {report['reference_dtype']}.", "",
+             "", f"Protocol: {protocol_sentence(p['protocol'])}; {scored_sentence(report)}.", "",
              "| model | perplexity | Δ | Δ % |", "|---|---:|---:|---:|",
              f"| FP16 base | {p['fp16']['ppl']:.4f} | | |",
              f"| this artifact | {p['quantized']['ppl']:.4f} | {p['delta']:+.4f} | {p['delta_pct']:+.2f} |", ""]

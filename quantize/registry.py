@@ -75,7 +75,7 @@ def check_artifact(artifact: Path) -> tuple[dict, dict]:
         raise RegistryError(f"{artifact}: refused, its eval failed: {'; '.join(why) or 'see report.md'}")
     if "skipped" in report.get("vllm_smoke", {}):
         raise RegistryError(f"{artifact}: refused, vLLM never loaded it ({report['vllm_smoke']['skipped']}); "
-                            f"re-run the eval with the vLLM smoke-load enabled")
+                            f"run the eval where vLLM is installed, with eval.vllm.enabled: true")
     return m, report
 
 

@@ -276,6 +276,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
     packed, qcfg = pack_all(job.results, recipe, skipped, run.dtype, run.device)
     drop = {"lm_head.weight"} if run.tied else set()
     tensors = export.build_state_dict(model, packed, run.dtype, drop, job.overrides)
+    export.check_finite(tensors, f"the checkpoint {run.src.path}")
 
     def fill(tmp: Path) -> dict:
         copied = export.write_model_dir(tmp, model, tensors, qcfg, run.dtype, run.src.path,

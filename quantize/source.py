@@ -201,8 +201,11 @@ def read_config(source: ModelSource, trust_remote_code: bool = False):
     return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool = False):
-    """The model on the CPU in `dtype`, from safetensors only (pickle checkpoints are refused)."""
+def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool = False,
+               device: torch.device | str = "cpu"):
+    """The model on `device` in `dtype`, from safetensors only (pickle checkpoints are refused).
+
+    Weights go from the files straight to the device: no host copy of the model beyond the page cache."""
     from transformers import AutoModelForCausalLM
 
     if not list(source.path.glob("*.safetensors")):
@@ -210,7 +213,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool 
     model = AutoModelForCausalLM.from_pretrained(
         source.path,
         dtype=dtype,
-        device_map="cpu",
+        device_map=str(device),
         attn_implementation="sdpa",
         use_safetensors=True,
         trust_remote_code=trust_remote_code,

@@ -26,7 +26,7 @@ def pack_int4_cols(x: torch.Tensor) -> torch.Tensor:
 def unpack_int4_cols(p: torch.Tensor) -> torch.Tensor:
     """int32 [rows, cols / 8] in AWQ nibble order -> uint8 [rows, cols]."""
     rows, n = p.shape
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=p.device)
     nibbles = (p.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF  # [rows, n, 8], nibble i
     out = torch.empty_like(nibbles)
     out[..., list(AWQ_ORDER)] = nibbles  # column AWQ_ORDER[i] <- nibble i

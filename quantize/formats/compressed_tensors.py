@@ -40,7 +40,7 @@ def unpack(tensors: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, t
         zp = unpack_from_int32(tensors["weight_zero_point"], bits, torch.Size([shape[0], scales.shape[1]]), 0)
         zeros = (zp.to(torch.int32) + off)
     else:
-        zeros = torch.full(scales.shape, off, dtype=torch.int32)
+        zeros = torch.full(scales.shape, off, dtype=torch.int32, device=scales.device)
     return codes, scales, zeros
 
 

@@ -27,7 +27,7 @@ def _pack_rows(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _unpack_rows(p: torch.Tensor, bits: int) -> torch.Tensor:
     per = 32 // bits
-    shifts = (torch.arange(per, dtype=torch.int64) * bits).view(1, per, 1)
+    shifts = (torch.arange(per, dtype=torch.int64, device=p.device) * bits).view(1, per, 1)
     vals = (p.to(torch.int64).unsqueeze(1) >> shifts) & (2**bits - 1)  # [r, per, cols]
     return vals.reshape(-1, p.shape[1])
 
@@ -55,7 +55,7 @@ def unpack(tensors: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, t
     g_idx = tensors.get("g_idx")
     n_group = tensors["scales"].shape[0]
     in_f = tensors["qweight"].shape[0] * 32 // bits
-    if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(in_f) // (in_f // n_group)):
+    if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(in_f, device=g_idx.device) // (in_f // n_group)):
         raise ValueError("g_idx is not contiguous (i // group_size): a permuted g_idx needs desc_act, "
                          "which vLLM 0.32 rejects")
     codes = _unpack_rows(tensors["qweight"], bits).t().contiguous().to(torch.uint8)  # [out, in]

@@ -101,6 +101,7 @@ def test_smoke_passes_then_corrupted_artifact_fails(artifact, capsys, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base = json.loads((out / "manifest.json").read_text())["model"]["spec"]
-    res = smoke(bad, AutoModelForCausalLM.from_pretrained(base), AutoTokenizer.from_pretrained(base), max_tokens=4)
+    res = smoke(bad, lambda: AutoModelForCausalLM.from_pretrained(base), AutoTokenizer.from_pretrained(base),
+                max_tokens=4)
     assert res["passed"] is False and res["checks"]["loaded"] is False
     assert "vLLM failed on" in res["errors"][0]

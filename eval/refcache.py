@@ -1,0 +1,108 @@
+"""The reference model's perplexity, cached on disk so `make eval`, a re-run and every variant of a comparison
+score the unquantized model once.
+
+The key is what fixes the number: the sha256 of the model's files (weights, config, tokenizer), the protocol
+record (text sha256, windows, tokens), the dtype, the device kind (CPU, or the GPU's name) and the torch and
+transformers versions. An entry is a JSON file holding its whole key beside the result; a lookup recomputes the
+key from the files on disk and accepts an entry only when the stored key equals it. The file name is only an
+address, never trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from quantize.export import atomic_write_text, sha256_file
+from quantize.source import TOKENIZER_FILES, cache_dir
+
+log = logging.getLogger(__name__)
+
+RESULT_KEYS = ("ppl", "nll_sum", "tokens", "per_window_nll", "seconds")
+
+
+def model_files(path: Path) -> list[Path]:
+    """The files a reference perplexity depends on: weights, their index, config, tokenizer."""
+    path = Path(path)
+    names = {"config.json", *TOKENIZER_FILES} - {"generation_config.json"}
+    return sorted(p for p in path.iterdir() if p.is_file() and (
+        p.name in names or p.name.endswith((".safetensors", ".safetensors.index.json"))))
+
+
+def model_sha256(path: Path) -> str:
+    """One sha256 over the model's files (each hashed in a thread of its own: hashlib releases the GIL, and a
+    7B checkpoint is 15 GB in a few shards)."""
+    files = model_files(path)
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(sha256_file, files))
+    h = hashlib.sha256()
+    for f, d in zip(files, digests):
+        h.update(f"{f.name}\0{d}\n".encode())
+    return h.hexdigest()
+
+
+def device_kind(device: torch.device) -> str:
+    """'cpu', or 'cuda:<GPU name>': kernels, hence the last digits of a perplexity, differ between GPU models."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def make_key(model_sha: str, protocol: dict, dtype: torch.dtype, device: torch.device) -> dict:
+    versions = {}
+    for pkg in ("torch", "transformers"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    return {"model_sha256": model_sha, "protocol": protocol, "dtype": str(dtype).removeprefix("torch."),
+            "device": device_kind(device), "versions": versions}
+
+
+def entry_path(key: dict, root: Path | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return (root or cache_dir() / "reference-ppl") / f"{digest[:32]}.json"
+
+
+def lookup(key: dict, root: Path | None = None) -> dict | None:
+    """The cached result for `key`, or None when absent, unreadable or stored under another key."""
+    path = entry_path(key, root)
+    try:
+        entry = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("reference perplexity cache %s is unreadable (%s): recomputing", path, e)
+        return None
+    if not isinstance(entry, dict) or entry.get("key") != key:
+        log.warning("reference perplexity cache %s holds another key: recomputing", path)
+        return None
+    result = entry.get("result")
+    if not isinstance(result, dict) or any(k not in result for k in RESULT_KEYS) or \
+            not math.isfinite(result["ppl"]):
+        log.warning("reference perplexity cache %s holds no usable result: recomputing", path)
+        return None
+    log.info("reference perplexity %.4f from the cache (%s)", result["ppl"], path)
+    return result
+
+
+def store(key: dict, result: dict, root: Path | None = None) -> Path | None:
+    """Save a finite result under `key` (atomically); a cache that cannot be written is only a warning."""
+    if not math.isfinite(result["ppl"]):
+        return None
+    path = entry_path(key, root)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({"key": key, "result": {k: result[k] for k in RESULT_KEYS}}) + "\n")
+    except OSError as e:
+        log.warning("reference perplexity not cached (%s): the next eval recomputes it", e)
+        return None
+    return path

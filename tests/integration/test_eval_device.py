@@ -1,0 +1,191 @@
+"""The eval stage's device logic on the CPU: where it computes and in which dtype, the verified reference cache,
+the NaN gate, the finite check before an artifact is written, and the dtype vLLM is asked for."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eval import refcache, report
+from eval.cli import main as eval_main
+from eval.perplexity import Protocol, protocol_record, windows
+from quantize import runner
+from quantize.cli import main as quantize_main
+from quantize.export import sha256_file
+from quantize.recipe import EvalOptions
+from tests.conftest import build_tiny_model, tiny_recipe
+
+
+def test_eval_device_follows_the_manifest(caplog):
+    assert report.eval_device({"device": "cpu"}) == torch.device("cpu")
+    assert report.eval_device({}) == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        assert report.eval_device({"device": "cuda"}) == torch.device("cpu")
+        assert "quantized on cuda but no CUDA device is visible" in caplog.text
+
+
+def test_eval_dtype_cpu_float32_gpu_the_artifacts(tmp_path):
+    cuda = torch.device("cuda")
+    assert report.eval_dtype(torch.device("cpu"), "bfloat16") == torch.float32
+    assert report.eval_dtype(cuda, "bfloat16") == torch.bfloat16
+    assert report.eval_dtype(cuda, "float16") == torch.float16
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    assert report.served_dtype(tmp_path, {}) == "bfloat16"  # another tool's artifact: its config
+    assert report.served_dtype(tmp_path, {"recipe": {"dtype": "float16"}}) == "float16"  # ours: the recipe
+
+
+def test_cache_key_verified_not_trusted_by_name(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights-1")
+    (model / "notes.md").write_text("not part of the key")
+    root = tmp_path / "cache"
+    proto = {"dataset": "wikitext2", "seq_len": 8, "text_sha256": "ab", "windows": 2}
+    sha = refcache.model_sha256(model)
+    key = refcache.make_key(sha, proto, torch.float32, torch.device("cpu"))
+    result = {"ppl": 12.5, "nll_sum": 1.0, "tokens": 14, "per_window_nll": [0.1, 0.2], "seconds": 1.0}
+    assert refcache.lookup(key, root) is None
+    refcache.store(key, result, root)
+    assert refcache.lookup(key, root)["ppl"] == 12.5
+    (model / "notes.md").write_text("changed")  # not a model file
+    assert refcache.model_sha256(model) == sha
+    (model / "model.safetensors").write_bytes(b"weights-2")  # the weights changed: another key
+    key2 = refcache.make_key(refcache.model_sha256(model), proto, torch.float32, torch.device("cpu"))
+    assert key2 != key and refcache.lookup(key2, root) is None
+    for other in ({**proto, "windows": 3}, proto):  # protocol / dtype: other keys
+        k = refcache.make_key(sha, other, torch.bfloat16 if other is proto else torch.float32, torch.device("cpu"))
+        assert refcache.lookup(k, root) is None
+    # an entry copied under another key's file name is refused: the stored key must equal the asked one
+    shutil.copy(refcache.entry_path(key, root), refcache.entry_path(key2, root))
+    assert refcache.lookup(key2, root) is None
+    refcache.entry_path(key, root).write_text("{not json")
+    assert refcache.lookup(key, root) is None
+    refcache.store(key, {**result, "ppl": math.nan}, root)  # a NaN reference is never cached
+    assert refcache.lookup(key, root) is None
+
+
+def test_nan_fails_every_gate():
+    nan = {"protocol": {}, "fp16": {"ppl": 20.0}, "quantized": {"ppl": math.nan}, "delta": math.nan,
+           "delta_pct": math.nan}
+    for gates in ({"max_ppl_delta": None, "max_ppl_delta_pct": None}, {"max_ppl_delta": 1.0, "max_ppl_delta_pct": 5}):
+        g = report._gates(nan, EvalOptions(**gates))
+        assert not g["passed"] and "perplexity is not finite (quantized nan)" in g["failures"][0]
+    inf_ref = {**nan, "fp16": {"ppl": math.inf}, "quantized": {"ppl": 20.0}}
+    assert not report._gates(inf_ref, EvalOptions(max_ppl_delta_pct=None))["passed"]
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny_llama, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("evdev")
+    recipe = tiny_recipe(tmp, tiny_llama, name="tiny-dev", eval=dict(
+        perplexity=dict(dataset="wikitext2", seq_len=128, max_windows=3), vllm=dict(enabled=False),
+        max_ppl_delta_pct=50))
+    return runner.run(recipe, out_root=tmp / "a"), recipe
+
+
+def test_reference_scored_once_then_read_from_the_cache(evaluated, monkeypatch, tmp_path, capsys):
+    out, recipe = evaluated
+    monkeypatch.setattr(refcache, "cache_dir", lambda: tmp_path)
+    assert eval_main([str(recipe), "--artifact", str(out)]) == 0
+    first = json.loads((out / "report.json").read_text())
+    s = first["scored_on"]
+    assert s["device"] == "cpu" and s["dtype"] == "float32" and s["reference_cache"]["hit"] is False
+    assert s["host_rss_peak_bytes"] > 0
+    assert "both models scored on cpu in float32" in (out / "report.md").read_text()
+    assert "both models scored on cpu in float32" in (out / "README.md").read_text()
+
+    def no_reference(*a, **k):
+        raise AssertionError("the reference was loaded although its perplexity is cached")
+
+    monkeypatch.setattr(report.source, "load_model", no_reference)
+    assert eval_main([str(recipe), "--artifact", str(out)]) == 0
+    again = json.loads((out / "report.json").read_text())
+    assert again["scored_on"]["reference_cache"]["hit"] is True
+    assert again["perplexity"]["fp16"] == first["perplexity"]["fp16"]
+    assert again["perplexity"]["quantized"]["ppl"] == first["perplexity"]["quantized"]["ppl"]
+    assert "reference from the verified cache" in (out / "report.md").read_text()
+
+
+def test_nan_artifact_fails_eval_with_exit_3(evaluated, tmp_path, capsys):
+    """NaN scales decode to NaN weights: perplexity NaN -> every gate fails, exit 3 (even with no delta gate)."""
+    out, recipe = evaluated
+    bad = tmp_path / "nan"
+    shutil.copytree(out, bad)
+    t = load_file(str(bad / "model.safetensors"))
+    t["model.layers.0.mlp.down_proj.scales"][0, 0] = float("nan")
+    save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    m = json.loads((bad / "manifest.json").read_text())
+    m["files"]["model.safetensors"]["sha256"] = sha256_file(bad / "model.safetensors")
+    m.pop("report", None)
+    (bad / "manifest.json").write_text(json.dumps(m))
+    assert eval_main([str(recipe), "--artifact", str(bad)]) == 3
+    assert "perplexity is not finite" in capsys.readouterr().err
+    assert json.loads((bad / "report.json").read_text())["passed"] is False
+
+
+@pytest.mark.parametrize("method,tensor", [("rtn", "model.embed_tokens.weight"), ("awq", "lm_head.weight")])
+def test_non_finite_tensor_never_reaches_an_artifact(tmp_path, capsys, method, tensor):
+    src = build_tiny_model(tmp_path / "m", "llama", tie=False)
+    t = load_file(str(src / "model.safetensors"))
+    t[tensor][3, :5] = float("nan")
+    save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
+    recipe = tiny_recipe(tmp_path, src, name=f"nan-{method}", method=method, eval=dict(enabled=False))
+    capsys.readouterr()  # the checkpoint's own build output
+    assert quantize_main(["run", str(recipe), "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and f"{tensor} (5 of" in last and "nothing was written" in last
+    assert "Traceback" not in err
+    assert not (tmp_path / "a" / f"nan-{method}").exists()
+    assert not [p for p in (tmp_path / "a").iterdir() if ".tmp-" in p.name]
+
+
+def test_vllm_asked_for_the_artifacts_dtype(evaluated, monkeypatch, tmp_path):
+    """The smoke stage asks vLLM for the recipe's dtype (a bfloat16-only model can pass), and a missing vLLM
+    is a skip with its reason, which the registry then refuses."""
+    from eval import smoke as smoke_mod
+
+    out, recipe = evaluated
+    art = tmp_path / "bf16"
+    shutil.copytree(out, art)
+    m = json.loads((art / "manifest.json").read_text())
+    m["recipe"]["dtype"] = "bfloat16"
+    m.pop("report", None)
+    (art / "manifest.json").write_text(json.dumps(m))
+    asked = {}
+
+    def fake_run(model_dir, token_ids, **kw):
+        asked.update(kw)
+        raise smoke_mod.VllmError("stop here")
+
+    monkeypatch.setattr(smoke_mod, "run_vllm", fake_run)
+    monkeypatch.setattr(refcache, "cache_dir", lambda: tmp_path)
+    eopts = EvalOptions(perplexity=dict(dataset="wikitext2", seq_len=128, max_windows=2))
+    r = report.evaluate(art, None, eopts)
+    assert asked["dtype"] == "bfloat16" and r["vllm_smoke"]["dtype"] == "bfloat16" and not r["passed"]
+    monkeypatch.setattr(report, "vllm_missing", lambda: "vllm not importable")
+    r = report.evaluate(art, None, eopts)
+    assert r["vllm_smoke"] == {"skipped": "vllm not importable"}
+    assert "vLLM smoke-load: skipped (vllm not importable)" in (art / "README.md").read_text()
+    from quantize import registry
+
+    with pytest.raises(registry.RegistryError, match=r"vLLM never loaded it \(vllm not importable\)"):
+        registry.check_artifact(art)
+
+
+def test_windows_batched_score_as_one_by_one(tiny_llama):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eval.perplexity import perplexity
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    wins = windows(tok, "\n\n".join(["Water boils at one hundred degrees at sea level."] * 60), Protocol(seq_len=64))
+    one, four = perplexity(model, wins, 1), perplexity(model, wins, 4)
+    assert one["tokens"] == four["tokens"] and abs(one["ppl"] - four["ppl"]) < 1e-4 * one["ppl"]
+    assert len(four["per_window_nll"]) == wins.shape[0]
+    assert protocol_record(Protocol(seq_len=64), "t", "s", wins)["windows"] == wins.shape[0]
