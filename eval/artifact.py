@@ -147,7 +147,11 @@ def empty_model(config, dtype: torch.dtype, device: torch.device | str):
     """A transformers causal LM of `config` allocated on `device` without running its initializers (every
     parameter is overwritten next); buffers computed at construction (rotary frequencies) are real."""
     from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers releases that keep it in modeling_utils
+        from transformers.modeling_utils import no_init_weights
 
     with torch.device(device), no_init_weights():
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
