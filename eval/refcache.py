@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from quantize.export import atomic_write_text, sha256_file
+from quantize.export import atomic_write_text
 from quantize.source import TOKENIZER_FILES, cache_dir
 
 log = logging.getLogger(__name__)
@@ -37,15 +37,31 @@ def model_files(path: Path) -> list[Path]:
         p.name in names or p.name.endswith((".safetensors", ".safetensors.index.json"))))
 
 
-def model_sha256(path: Path) -> str:
-    """One sha256 over the model's files (each hashed in a thread of its own: hashlib releases the GIL, and a
-    7B checkpoint is 15 GB in a few shards)."""
-    files = model_files(path)
-    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-        digests = list(pool.map(sha256_file, files))
+CHUNK = 1 << 28  # 256 MiB: a 15 GB checkpoint is hashed as ~60 pieces in parallel
+
+
+def _chunk_sha256(job: tuple[Path, int]) -> str:
+    path, offset = job
     h = hashlib.sha256()
-    for f, d in zip(files, digests):
-        h.update(f"{f.name}\0{d}\n".encode())
+    with open(path, "rb") as f:
+        f.seek(offset)
+        left = CHUNK
+        while left and (block := f.read(min(1 << 22, left))):
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()
+
+
+def model_sha256(path: Path) -> str:
+    """One sha256 over the model's files: each file cut into 256 MiB pieces hashed in parallel threads (hashlib
+    releases the GIL; a 7B checkpoint is 15 GB), then the names, sizes and piece digests hashed in order."""
+    files = model_files(path)
+    jobs = [(f, off) for f in files for off in range(0, max(f.stat().st_size, 1), CHUNK)]
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(_chunk_sha256, jobs))
+    h = hashlib.sha256()
+    for (f, off), d in zip(jobs, digests):
+        h.update(f"{f.name}\0{f.stat().st_size}\0{off}\0{d}\n".encode())
     return h.hexdigest()
 
 

@@ -11,13 +11,16 @@ builds the config block, so the bits are the ones its own compressor produces.
 from __future__ import annotations
 
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
 BITS_SERVED = (4, 8)
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, sym: bool) -> dict:
     """codes [out, in] uint8, scales/zeros [out, n_group] -> compressed-tensors tensors of one linear."""
+    # imported here: compressed_tensors takes seconds to import (it pulls in transformers' loaders), and runs
+    # writing the AWQ or GPTQ format never need it
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
     off = 2 ** (bits - 1)
     out = {
         "weight_packed": pack_to_int32((codes.to(torch.int16) - off).to(torch.int8), bits),  # [out, in*b/32]
@@ -32,6 +35,8 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: i
 
 def unpack(tensors: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> codes [out, in] uint8, scales [out, n_group], zeros [out, n_group] int32 (2^(b-1) when symmetric)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
     off = 2 ** (bits - 1)
     shape = torch.Size(tensors["weight_shape"].tolist())
     scales = tensors["weight_scale"]

@@ -68,6 +68,18 @@ def test_cache_key_verified_not_trusted_by_name(tmp_path):
     assert refcache.lookup(key, root) is None
 
 
+def test_model_hash_covers_every_piece(tmp_path, monkeypatch):
+    monkeypatch.setattr(refcache, "CHUNK", 4)  # pieces of 4 bytes: a 10-byte file is 3 of them
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"0123456789")
+    a = refcache.model_sha256(tmp_path)
+    assert refcache.model_sha256(tmp_path) == a
+    (tmp_path / "model.safetensors").write_bytes(b"0123456x89")  # the middle piece changed
+    b = refcache.model_sha256(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"012345678")  # shorter: the last piece
+    assert len({a, b, refcache.model_sha256(tmp_path)}) == 3
+
+
 def test_nan_fails_every_gate():
     nan = {"protocol": {}, "fp16": {"ppl": 20.0}, "quantized": {"ppl": math.nan}, "delta": math.nan,
            "delta_pct": math.nan}
