@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -116,12 +117,8 @@ def _host_peak_bytes() -> int | None:
 
 def _reference_ppl(ctx: dict, load_reference, wins: torch.Tensor, record: dict, timings: dict) -> tuple[dict, dict]:
     """The reference's perplexity from the cache (verified by its key) or scored now -> (result, cache info)."""
-    t0 = time.perf_counter()
     shared = ctx["shared"]
-    if "model_sha256" not in shared:
-        shared["model_sha256"] = refcache.model_sha256(shared["src"].path)
     key = refcache.make_key(shared["model_sha256"], record, ctx["dtype"], ctx["device"])
-    timings["reference_hash"] = round(time.perf_counter() - t0, 2)
     info = {"key_sha256": refcache.entry_path(key).stem, "model_sha256": shared["model_sha256"]}
     fp = refcache.lookup(key)
     if fp is not None:
@@ -130,6 +127,14 @@ def _reference_ppl(ctx: dict, load_reference, wins: torch.Tensor, record: dict, 
     timings["perplexity_reference"] = fp["seconds"]
     stored = refcache.store(key, fp)
     return fp, {**info, "hit": False, "stored": str(stored) if stored else None}
+
+
+def _hash_reference(shared: dict, timings: dict) -> None:
+    """The reference model's files' sha256 (the cache key's first part), once per base model."""
+    if "model_sha256" not in shared:
+        t0 = time.perf_counter()
+        shared["model_sha256"] = refcache.model_sha256(shared["src"].path)
+        timings["reference_hash"] = round(time.perf_counter() - t0, 2)
 
 
 def _gates(ppl: dict | None, eopts) -> dict:
@@ -173,7 +178,6 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     model's files are resolved and hashed once.
     """
     artifact = Path(artifact)
-    verified = verify_manifest(artifact)  # refuses a tampered artifact before anything reads it
     manifest = json.loads((artifact / MANIFEST).read_text()) if (artifact / MANIFEST).is_file() else {}
     base_spec = base_spec or manifest.get("model", {}).get("spec")
     if not base_spec:
@@ -186,8 +190,15 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
         torch.cuda.reset_peak_memory_stats(device)
     popts = eopts.perplexity
     proto = Protocol(dataset=popts.dataset, seq_len=popts.seq_len, max_windows=popts.max_windows)
-    text, where = load_eval_text(popts.dataset)
-    wins = windows(ctx["tokenizer"], text, proto)
+    # three independent waits side by side: hashing the artifact's shards (verify), the reference's files (the
+    # cache key) and tokenizing the eval text; nothing reads the artifact's weights before verify succeeds
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        verifying = pool.submit(verify_manifest, artifact)  # refuses a tampered artifact, naming the file
+        hashing = pool.submit(_hash_reference, ctx["shared"], timings)
+        text, where = load_eval_text(popts.dataset)
+        wins = windows(ctx["tokenizer"], text, proto)
+        verified = verifying.result()
+        hashing.result()
     record = protocol_record(proto, text, where, wins)
     ctx["batch"] = batch_windows(device, proto.seq_len)
     log.info("eval on %s in %s: %d windows of %d tokens from %s, %d per forward", refcache.device_kind(device),

@@ -114,12 +114,8 @@ def write_sharded(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: 
     return [*names, "model.safetensors.index.json"]
 
 
-def _fsync_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(root, os.O_RDONLY)
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -135,12 +131,20 @@ def _readable(root: Path) -> None:
     os.chmod(root, 0o755 & ~umask)
 
 
-def file_hashes(root: Path) -> dict[str, dict]:
-    """Every file under root except the manifest -> {sha256, bytes} (shards hashed in parallel threads:
-    hashlib releases the GIL, and a 7B artifact is several GB)."""
+def file_hashes(root: Path, sync: bool = False) -> dict[str, dict]:
+    """Every file under root except the manifest -> {sha256, bytes}, shards hashed in parallel threads (hashlib
+    releases the GIL, and a 7B artifact is several GB). sync: also fsync each file once hashed, in the same
+    thread, so one shard's write-back overlaps another's hashing."""
     files = [p for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST]
+
+    def one(p: Path) -> str:
+        digest = sha256_file(p)
+        if sync:
+            _fsync(p)
+        return digest
+
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        digests = list(pool.map(sha256_file, files))
+        digests = list(pool.map(one, files))
     return {str(p.relative_to(root)): {"sha256": h, "bytes": p.stat().st_size} for p, h in zip(files, digests)}
 
 
@@ -154,10 +158,11 @@ def atomic_write_dir(out: Path, fill: Callable[[Path], dict], force: bool = Fals
     tmp.mkdir()
     try:
         extras = fill(tmp)
-        manifest = {**extras, "files": file_hashes(tmp)}
+        manifest = {**extras, "files": file_hashes(tmp, sync=True)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
         _readable(tmp)
-        _fsync_tree(tmp)
+        for p in [tmp / MANIFEST, *(d for d in tmp.rglob("*") if d.is_dir()), tmp]:
+            _fsync(p)
         if out.exists():
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(out, old)

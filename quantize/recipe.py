@@ -148,7 +148,7 @@ class Recipe(_Strict):
     compute_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     batch_size: int = Field(8, gt=0)  # calibration samples per forward
-    max_shard_size: str = "4GB"
+    max_shard_size: str = "2GB"  # shards are hashed in parallel at export and at every verify: ~1 s each
     # per-layer checkpoints (resume after a crash or kill): saved after a layer once this many seconds have
     # passed since the last save; 0 = after every layer; null = never
     checkpoint_every_s: float | None = Field(120.0, ge=0)
