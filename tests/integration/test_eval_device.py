@@ -201,3 +201,31 @@ def test_windows_batched_score_as_one_by_one(tiny_llama):
     assert one["tokens"] == four["tokens"] and abs(one["ppl"] - four["ppl"]) < 1e-4 * one["ppl"]
     assert len(four["per_window_nll"]) == wins.shape[0]
     assert protocol_record(Protocol(seq_len=64), "t", "s", wins)["windows"] == wins.shape[0]
+
+
+def test_root_cause_keeps_the_pydantic_reason():
+    from eval.vllm_run import root_cause
+
+    log = "\n".join([
+        "INFO 12-01 03:40:01 [config.py:1] Resolved architecture: LlamaForCausalLM",
+        "Traceback (most recent call last):",
+        '  File "x.py", line 3, in <module>',
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
+        "  Value error, The checkpoint's dtype is not supported [type=value_error, input_value=ArgsKwargs(("
+        + "x" * 5000 + ")), input_type=ArgsKwargs]",
+        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error",
+    ])
+    got = root_cause(log)
+    assert "1 validation error for ModelConfig" in got and "Value error, The checkpoint's dtype" in got
+    assert "errors.pydantic.dev" not in got and len(got) < 400  # the echoed arguments are cut
+
+
+@pytest.mark.vllm
+def test_vllm_refusal_names_its_reason(evaluated):
+    """A real vLLM refusal (float32 for AWQ) reaches the user with vLLM's reason, not only its first line."""
+    from eval.vllm_run import VllmError, run_vllm
+
+    out, _ = evaluated
+    with pytest.raises(VllmError) as e:
+        run_vllm(out, [[1, 2, 3]], dtype="float32", timeout=300)
+    assert "float32 is not supported for quantization method awq" in str(e.value)
