@@ -21,6 +21,7 @@ from .checkpoint import Checkpointer, fingerprint
 from .engine import DTYPES, Job, feature_names, gptq_spec, is_skipped, propagation
 from .pack import pack_all
 from .lock import output_lock
+from .paths import check_output_parent, child
 from .preflight import Plan, PreflightError, check_free_disk, human_bytes, pick_device, plan, tied_embeddings
 from .recipe import Recipe, load_recipe
 
@@ -139,7 +140,8 @@ def _checkpoint_bytes(recipes: list[Recipe], config, plans: list[Plan]) -> int:
 def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False) -> str:
     """Every pre-flight check of `run`, no weights loaded -> the report (also what `run` logs first)."""
     recipe = load_recipe(recipe_name)
-    out = Path(out_root) / recipe.name
+    out = child(out_root, recipe.name, "recipe name")
+    check_output_parent(out_root)
     pf = preflight([recipe], [out], force, Timings())
     c, the_plan = recipe.calibration, pf.plans[0]
     calib_line = (f"calibration: {c.n_samples} x {c.seq_len} tokens from {pf.calib_record['source']}"
@@ -170,10 +172,12 @@ def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: b
     each recipe still computes exactly what it would alone (see `capture.run_shared`). Every output's lock is
     held for the whole run.
     """
-    outs = [Path(out_root) / r.name for r in recipes]
+    outs = [child(out_root, r.name, "recipe name") for r in recipes]
+    check_output_parent(out_root)
     with ExitStack() as locks:
         for out in outs:
             locks.enter_context(output_lock(out))
+            export.remove_stale(out)  # what a killed run of this output left; no live run can own it now
         try:
             return _run_many(recipes, outs, force)
         finally:

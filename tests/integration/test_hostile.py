@@ -1,0 +1,200 @@
+"""Hostile names, faulty disks and signals on a tiny Llama: one `error:` line, exit 2, nothing half-written, the
+previous artifacts intact."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import SafetensorError
+
+from quantize import cli, export, runner
+from tests.conftest import ROOT, tiny_recipe
+
+
+def _cli(capsys, *argv) -> tuple[int, str]:
+    """Run the command line -> (exit code, stderr's one error line); fails unless there is exactly one."""
+    rc = cli.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1, err
+    assert "\n" not in lines[0]
+    return rc, lines[0]
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    """Every file under root (lock files aside: they stay, empty or with their last holder) -> its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.suffix != ".lock"}
+
+
+@pytest.fixture(scope="module")
+def previous(tiny_llama, tmp_path_factory):
+    """An artifacts directory holding one finished artifact, to be copied by each test that needs one."""
+    tmp = tmp_path_factory.mktemp("previous")
+    runner.run(tiny_recipe(tmp, tiny_llama, name="keep", method="rtn"), out_root=tmp / "artifacts")
+    return tmp / "artifacts"
+
+
+def _artifacts(previous, tmp_path) -> Path:
+    import shutil
+
+    shutil.copytree(previous, tmp_path / "artifacts")
+    return tmp_path / "artifacts"
+
+
+# --- names from recipes and flags --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", [".", ".."])
+def test_recipe_name_leaving_its_directory_refused(tiny_llama, previous, tmp_path, capsys, name):
+    """`recipes/..yaml` is named `.`: with --force it would replace the whole artifacts directory."""
+    arts = _artifacts(previous, tmp_path)
+    before = _tree(tmp_path)
+    recipe = tiny_recipe(tmp_path, tiny_llama, name=name, method="rtn")
+    assert recipe.name == f"{name}.yaml"
+    before = _tree(tmp_path)
+    rc, msg = _cli(capsys, "run", recipe, "--out", arts, "--force", "--no-eval")
+    assert rc == 2 and f"recipe name '{name}' does not name a file or directory inside {arts}" in msg
+    assert "use a plain name" in msg
+    assert _tree(tmp_path) == before
+    rc, msg = _cli(capsys, "preflight", recipe, "--out", arts, "--force")
+    assert rc == 2 and "does not name a file or directory inside" in msg
+
+
+def test_register_name_leaving_its_directory_refused(previous, tmp_path, capsys):
+    arts = _artifacts(previous, tmp_path)
+    rc, msg = _cli(capsys, "register", "../../etc", "--out", arts)
+    assert rc == 2 and "recipe name '../../etc' does not name a file or directory inside" in msg
+
+
+def test_compare_name_leaving_out_refused_before_work(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "deep" / "out"
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="cmp", method="rtn")
+    rc, msg = _cli(capsys, "compare", recipe, "--name", "x/../../escaped", "--out", out, "--no-eval")
+    assert rc == 2 and "comparison --name 'compare-x/../../escaped.json' does not name a file" in msg
+    assert not (tmp_path / "deep" / "escaped.json").exists() and not (tmp_path / "escaped.json").exists()
+    assert not (out / "cmp").exists()  # refused before anything was quantized
+
+
+def test_out_pointing_at_a_file_refused(tiny_llama, tmp_path, capsys):
+    (tmp_path / "afile").write_text("not a directory")
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="tofile", method="rtn")
+    rc, msg = _cli(capsys, "run", recipe, "--out", tmp_path / "afile", "--no-eval")
+    assert rc == 2 and f"--out {tmp_path / 'afile'}: {tmp_path / 'afile'} is a file, not a directory" in msg
+    assert (tmp_path / "afile").read_text() == "not a directory"
+
+
+def _unwritable_dir(tmp_path) -> Path:
+    """A directory this process cannot create files in: mode 0555, or (root ignores modes) sysfs."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o555)
+    for cand in (d, Path("/sys")):
+        try:
+            (cand / "probe").touch()
+            (cand / "probe").unlink()
+        except OSError:
+            return cand
+    pytest.skip("no unwritable directory here")
+
+
+def test_read_only_output_directory_refused(tiny_llama, tmp_path, capsys):
+    ro = _unwritable_dir(tmp_path)
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="ro", method="rtn")
+    rc, msg = _cli(capsys, "run", recipe, "--out", ro, "--no-eval")
+    assert rc == 2 and f"--out {ro}: {ro} is not writable by this user" in msg and "--out DIR" in msg
+
+
+# --- faults during export ----------------------------------------------------------------------------------
+
+def _safetensors_disk_full(monkeypatch):
+    """safetensors writes part of a shard, then raises what it raises on a full disk (its own error type)."""
+    def save_file(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 4096)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(export, "save_file", save_file)
+
+
+def test_safetensors_disk_full_is_the_disk_full_message(tiny_llama, previous, tmp_path, monkeypatch, capsys):
+    arts = _artifacts(previous, tmp_path)
+    before = _tree(arts)
+    _safetensors_disk_full(monkeypatch)
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="keep", method="rtn")
+    rc, msg = _cli(capsys, "run", recipe, "--out", arts, "--force", "--no-eval")
+    assert rc == 2 and f"the disk is full on {arts} while writing the artifact (4.10 KB written when it failed: No " \
+                       f"space left on device); the partial files were removed and the previous {arts / 'keep'} is " \
+                       f"untouched" in msg
+    assert _tree(arts) == before and not any(p.name.startswith(".") for p in arts.iterdir())
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
+def test_failed_final_rename_restores_previous_artifact(tiny_llama, previous, tmp_path, monkeypatch, capsys, code):
+    arts = _artifacts(previous, tmp_path)
+    before = _tree(arts)
+    real = os.replace
+
+    def replace(src, dst):
+        if ".tmp-" in str(src):
+            raise OSError(code, os.strerror(code), str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(export.os, "replace", replace)
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="keep", method="rtn")
+    rc, msg = _cli(capsys, "run", recipe, "--out", arts, "--force", "--no-eval")
+    assert rc == 2 and f"the previous {arts / 'keep'} is untouched" in msg and os.strerror(code) in msg
+    assert _tree(arts) == before and not any(p.name.startswith(".") for p in arts.iterdir())
+
+
+def test_debug_shows_the_traceback(tiny_llama, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="dbg", method="rtn")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        cli.main(["run", str(recipe), "--out", str(tmp_path / "afile"), "--debug"])
+
+
+# --- signals during export ---------------------------------------------------------------------------------
+
+DRIVER = """
+import sys, time
+from quantize import cli, export
+real = export.write_sharded
+def slow(*a, **k):
+    names = real(*a, **k)
+    print("exporting", flush=True)
+    time.sleep(120)
+    return names
+export.write_sharded = slow
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_signal_during_export_leaves_nothing(tiny_llama, previous, tmp_path, sig):
+    """Ctrl-C and SIGTERM: exit 2 with a message, temp removed, previous artifact intact. SIGKILL cannot be
+    handled: its temp directory is removed by the next run of that output."""
+    arts = _artifacts(previous, tmp_path)
+    before = _tree(arts)
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="keep", method="rtn")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, "run", str(recipe), "--out", str(arts), "--force",
+                             "--no-eval"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "exporting"
+    assert [p.name for p in arts.glob(".keep.tmp-*")]  # mid-export
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL and list(arts.glob(".keep.tmp-*"))
+        runner.run(recipe, out_root=arts, force=True)  # the next run of that output cleans up
+        assert not list(arts.glob(".*"))
+        return
+    name = signal.Signals(sig).name
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith(f"error: interrupted by {name}; files being written were removed")
+    assert _tree(arts) == before and not any(p.name.startswith(".") for p in arts.iterdir())
