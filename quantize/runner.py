@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import calib, export, modelcard, source, warmup
+from . import calib, export, integrity, modelcard, source, warmup
 from .arch import Arch, arch_for
 from .capture import configure_allocator, run_shared
 from .checkpoint import Checkpointer, fingerprint
@@ -108,6 +108,9 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
         config = source.read_config(src, first.trust_remote_code)
         source.check_weights(src)
         arch = arch_for(config)
+        integrity.check_tensors(src, config, arch, first.trust_remote_code)
+        if not any(r.method in ("awq", "gptq") for r in recipes):  # calibration loads it otherwise
+            source.load_tokenizer(src, first.trust_remote_code)  # an artifact without a usable tokenizer is refused
         plans = [_plan_and_log(r, config, arch) for r in recipes]
         copied = sum((src.path / f).stat().st_size for f in source.TOKENIZER_FILES if (src.path / f).is_file())
         free = check_free_disk(outs[0], sum(p.tensor_bytes + copied for p in plans) + _checkpoint_bytes(recipes, config, plans))

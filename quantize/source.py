@@ -195,10 +195,15 @@ def check_remote_code(source: ModelSource, trust_remote_code: bool) -> dict[str,
 
 def read_config(source: ModelSource, trust_remote_code: bool = False):
     """config.json -> transformers config, after refusing custom code the recipe does not trust."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     check_remote_code(source, trust_remote_code)
-    return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, TypeError, OSError, StrictDataclassError) as e:  # the last: a field's type
+        raise ModelSourceError(f"model {source.spec!r}: {source.path / 'config.json'} is not a usable transformers "
+                               f"config ({brief(e)}); fix or re-download it") from None
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool = False):
@@ -220,6 +225,19 @@ def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool 
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
+    """The checkpoint's tokenizer; ModelSourceError when it is missing or its files cannot be read."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - tokenizers' own parse errors are plain Exceptions
+        raise ModelSourceError(f"model {source.spec!r}: the tokenizer in {source.path} cannot be loaded "
+                               f"({brief(e)}); restore its tokenizer files "
+                               f"(tokenizer.json, tokenizer_config.json, ...)") from None
+    return tok
+
+
+def brief(e: BaseException, limit: int = 200) -> str:
+    """An exception as one line of at most `limit` characters, for a message that quotes it."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text if len(text) <= limit else text[: limit - 3] + '...'}"

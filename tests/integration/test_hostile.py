@@ -198,3 +198,119 @@ def test_signal_during_export_leaves_nothing(tiny_llama, previous, tmp_path, sig
     assert proc.returncode == 2 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1].startswith(f"error: interrupted by {name}; files being written were removed")
     assert _tree(arts) == before and not any(p.name.startswith(".") for p in arts.iterdir())
+
+
+# --- the checkpoint against its config (before any weight loads) ------------------------------------------
+
+def _edit_weights(d: Path, edit) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    f = d / "model.safetensors"
+    with safe_open(str(f), "pt") as st:
+        tensors = {k: st.get_tensor(k) for k in st.keys()}
+    edit(tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+def _edit_config(d: Path, **keys) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(keys)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _broken(tiny_llama, tmp_path, how):
+    import shutil
+
+    import torch
+
+    d = Path(shutil.copytree(tiny_llama, tmp_path / "model"))
+    if how == "missing tensor":
+        _edit_weights(d, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
+    elif how == "layer count":
+        _edit_config(d, num_hidden_layers=3)
+    elif how == "wrong shape":
+        _edit_weights(d, lambda t: t.update({"model.layers.0.self_attn.o_proj.weight": torch.zeros(256, 128)}))
+    elif how == "unexpected tensor":
+        _edit_weights(d, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(4, 4)}))
+    elif how == "truncated safetensors":
+        data = (d / "model.safetensors").read_bytes()
+        (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    elif how == "empty safetensors":
+        (d / "model.safetensors").write_bytes(b"")
+    elif how == "config not JSON":
+        (d / "config.json").write_text('{"model_type": "llama",')
+    elif how == "config unknown model_type":
+        _edit_config(d, model_type="no-such-model")
+    elif how == "config bad value":
+        _edit_config(d, hidden_size="large")
+    elif how == "missing tokenizer":
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (d / f).unlink(missing_ok=True)
+    elif how == "corrupt tokenizer":
+        (d / "tokenizer.json").write_bytes(bytes(range(256)) * 4)
+    return d
+
+
+CHECKPOINT_CASES = {
+    "missing tensor": r"do not match config.json: 1 tensor\(s\) missing from the weights: "
+                      r"model.layers.1.mlp.down_proj.weight\. transformers would fill missing tensors with random",
+    "layer count": r"config.json num_hidden_layers is 3 but the weights hold 2 decoder layers \(model.layers.0 to "
+                   r"model.layers.1\); 9 tensor\(s\) missing",
+    "wrong shape": r"model.layers.0.self_attn.o_proj.weight has shape \[256, 128\] but config.json implies \[256, 256\]",
+    "unexpected tensor": r"1 tensor\(s\) in the weights that the model does not have: model.layers.0.mlp.extra.weight",
+    "truncated safetensors": r"model.safetensors is not a readable safetensors file \(SafetensorError: .*\): it is "
+                             r"truncated or corrupt; re-download or re-export it",
+    "empty safetensors": r"model.safetensors is not a readable safetensors file .*header too small",
+    "config not JSON": r"config.json is not valid JSON",
+    "config unknown model_type": r"config.json is not a usable transformers config \(ValueError: .*\); fix or "
+                                 r"re-download it",
+    "config bad value": r"config.json is not a usable transformers config \(StrictDataclassFieldValidationError: "
+                        r"Validation error for field 'hidden_size'.*\); fix or re-download it",
+    "missing tokenizer": r"the tokenizer in .* cannot be loaded \(.*\); restore its tokenizer files",
+    "corrupt tokenizer": r"the tokenizer in .* cannot be loaded \(\w+: .*\); restore its tokenizer files",
+}
+
+
+@pytest.mark.parametrize("how,method", [(how, "rtn") for how in CHECKPOINT_CASES] +  # awq: calibration's path
+                         [(how, "awq") for how in ("missing tensor", "missing tokenizer", "corrupt tokenizer")])
+def test_checkpoint_must_match_its_config_before_weights(tiny_llama, tmp_path, monkeypatch, capsys, how, method):
+    import re
+
+    from quantize import source
+
+    d = _broken(tiny_llama, tmp_path, how)
+    monkeypatch.setattr(source, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    recipe = tiny_recipe(tmp_path, d, name="broken", method=method)
+    rc, msg = _cli(capsys, "run", recipe, "--out", tmp_path / "artifacts", "--no-eval")
+    assert rc == 2 and re.search(CHECKPOINT_CASES[how], msg), msg
+    assert msg.startswith(f"error: model '{d}'")
+    assert not (tmp_path / "artifacts" / "broken").exists()
+
+
+def test_tied_checkpoint_without_lm_head_and_sharded_checkpoint_pass(tmp_path, tiny_qwen2):
+    """What the check must accept: a tied lm_head absent from the files; an index and its shards."""
+    import shutil
+
+    from quantize import integrity, source
+    from quantize.arch import arch_for
+    from tests.conftest import build_tiny_model
+
+    for d in (build_tiny_model(tmp_path / "tied", "llama", layers=1, tie=True), tiny_qwen2):
+        src = source.resolve(str(d))
+        cfg = source.read_config(src)
+        integrity.check_tensors(src, cfg, arch_for(cfg))
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(tiny_qwen2).save_pretrained(sharded, max_shard_size="300KB")
+    for f in ("config.json",):
+        shutil.copy(tiny_qwen2 / f, sharded / f)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    src = source.resolve(str(sharded))
+    cfg = source.read_config(src)
+    integrity.check_tensors(src, cfg, arch_for(cfg))
+    shard = sorted(sharded.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(source.ModelSourceError, match=rf"index.json lists shards that are not in .*: {shard.name}"):
+        integrity.check_tensors(src, cfg, arch_for(cfg))
