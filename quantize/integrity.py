@@ -55,7 +55,7 @@ def read_shapes(src: ModelSource, files: list[Path]) -> dict[str, tuple[int, ...
                     shapes[k] = tuple(st.get_slice(k).get_shape())
         except (SafetensorError, OSError) as e:
             raise ModelSourceError(f"model {src.spec!r}: {f} is not a readable safetensors file ({brief(e)}): it "
-                                   f"is truncated or corrupt; re-download or re-export it") from None
+                                   f"is truncated or corrupt; {_remedy(src)}") from None
     return shapes
 
 
@@ -101,7 +101,13 @@ def check_tensors(src: ModelSource, config, arch: Arch, trust_remote_code: bool 
         where = ", ".join(f.name for f in files[:3]) + (" ..." if len(files) > 3 else "")
         raise ModelSourceError(f"model {src.spec!r}: the weights ({where}) do not match config.json: "
                                f"{'; '.join(problems[:4])}. transformers would fill missing tensors with random "
-                               f"values; fix config.json or restore the complete weight files")
+                               f"values; {_remedy(src, 'fix config.json or restore the complete weight files')}")
+
+
+def _remedy(src: ModelSource, usual: str = "re-download or re-export it") -> str:
+    if src.kind == "gguf":  # our own conversion cache: rebuilt when removed
+        return f"delete the GGUF conversion cache {src.path} and rerun to convert the GGUF file again"
+    return usual
 
 
 def _layer_count_problem(config, arch: Arch, found: dict) -> str | None:

@@ -314,3 +314,79 @@ def test_tied_checkpoint_without_lm_head_and_sharded_checkpoint_pass(tmp_path, t
     shard.unlink()
     with pytest.raises(source.ModelSourceError, match=rf"index.json lists shards that are not in .*: {shard.name}"):
         integrity.check_tensors(src, cfg, arch_for(cfg))
+
+
+# --- GGUF --------------------------------------------------------------------------------------------------
+
+def _gguf(path: Path, arch: str) -> Path:
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_unsupported_gguf_refused_from_its_header(tiny_llama, tmp_path, monkeypatch, capsys):
+    """Read from the header: no conversion, nothing written, in well under a second."""
+    import time
+
+    from quantize import source
+    from quantize.arch import UnsupportedArchitecture
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(cache))
+    monkeypatch.setattr(source, "_convert_gguf", lambda *a: pytest.fail("converted before refusing"))
+    monkeypatch.setattr(source, "sha256_file", lambda *a: pytest.fail("hashed the whole file before refusing"))
+    f = _gguf(tmp_path / "m.gguf", "gpt2")
+    t0 = time.perf_counter()
+    with pytest.raises(UnsupportedArchitecture, match="GGUF architecture 'gpt2'"):
+        source.resolve(str(f))
+    assert time.perf_counter() - t0 < 0.5
+    recipe = tiny_recipe(tmp_path, f, name="gg", method="rtn")
+    rc, msg = _cli(capsys, "preflight", recipe, "--out", tmp_path / "a")
+    assert rc == 2 and msg == (f"error: model '{f}': GGUF architecture 'gpt2' (general.architecture) is not "
+                               f"supported; supported: llama, mistral, qwen2, qwen3")
+    assert not cache.exists() and not (tmp_path / "a").exists()
+
+
+def test_bad_gguf_is_one_line(tmp_path, monkeypatch, capsys, tiny_llama):
+    monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(tmp_path / "cache"))
+    for content in (b"", b"GGUF" + bytes(60), os.urandom(4096)):
+        f = tmp_path / "bad.gguf"
+        f.write_bytes(content)
+        rc, msg = _cli(capsys, "preflight", tiny_recipe(tmp_path, f, name="bad", method="rtn"), "--out", tmp_path / "a")
+        assert rc == 2 and msg.startswith(f"error: model '{f}': {f} is not a readable GGUF file (")
+        assert msg.endswith("re-download it or point the recipe's `model` at another file")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_damaged_gguf_cache_is_rebuilt(tiny_llama, tmp_path, monkeypatch, caplog):
+    import shutil
+
+    from quantize import source
+
+    monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(tmp_path / "cache"))
+    conversions = []
+
+    def convert(gguf, into):  # what a conversion writes, without converting (the tiny model is not a GGUF)
+        conversions.append(gguf)
+        for p in tiny_llama.iterdir():
+            shutil.copy(p, into / p.name)
+
+    monkeypatch.setattr(source, "_convert_gguf", convert)
+    f = _gguf(tmp_path / "m.gguf", "llama")
+    first = source.resolve(str(f))
+    assert first.kind == "gguf" and len(conversions) == 1
+    assert source.resolve(str(f)).path == first.path and len(conversions) == 1  # cached
+    weights = first.path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a damaged cache
+    with caplog.at_level("WARNING"):
+        again = source.resolve(str(f))
+    assert len(conversions) == 2 and again.path == first.path
+    assert f"GGUF conversion cache {first.path} is damaged (SafetensorError" in caplog.text
+    assert (again.path / "model.safetensors").read_bytes() == (tiny_llama / "model.safetensors").read_bytes()
