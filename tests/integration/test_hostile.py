@@ -390,3 +390,32 @@ def test_damaged_gguf_cache_is_rebuilt(tiny_llama, tmp_path, monkeypatch, caplog
     assert len(conversions) == 2 and again.path == first.path
     assert f"GGUF conversion cache {first.path} is damaged (SafetensorError" in caplog.text
     assert (again.path / "model.safetensors").read_bytes() == (tiny_llama / "model.safetensors").read_bytes()
+
+
+# --- calibration files -------------------------------------------------------------------------------------
+
+CALIB_CASES = {
+    "calib.txt": (bytes(range(256)) * 64, r"calibration.dataset .*calib.txt is not UTF-8 text \(invalid start byte "
+                                          r"at byte 128\); convert it to UTF-8"),
+    "calib.jsonl": (b'{"text": "a document"}\n{"text": "unterminated\n',
+                    r"calibration.dataset .*calib.jsonl cannot be read as JSON Lines \(one JSON object per line\): "
+                    r"line 2 is not JSON \(Unterminated string .*\); fix the file"),
+    "bin.jsonl": (b'{"text": "a document"}\n' + bytes(range(128, 256)),
+                  r"bin.jsonl cannot be read as JSON Lines .*: line 2 is not UTF-8 \(invalid start byte at byte 0\)"),
+}
+
+
+@pytest.mark.parametrize("fname", list(CALIB_CASES))
+def test_bad_calibration_file_is_one_line_before_weights(tiny_llama, tmp_path, monkeypatch, capsys, fname):
+    import re
+
+    from quantize import source
+
+    content, pattern = CALIB_CASES[fname]
+    (tmp_path / fname).write_bytes(content)
+    monkeypatch.setattr(source, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="cal", calibration=dict(dataset=str(tmp_path / fname),
+                                                                            n_samples=4, seq_len=16))
+    rc, msg = _cli(capsys, "run", recipe, "--out", tmp_path / "a", "--no-eval")
+    assert rc == 2 and re.search(pattern, msg), msg
+    assert not (tmp_path / "a" / "cal").exists()
