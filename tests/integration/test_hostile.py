@@ -419,3 +419,26 @@ def test_bad_calibration_file_is_one_line_before_weights(tiny_llama, tmp_path, m
     rc, msg = _cli(capsys, "run", recipe, "--out", tmp_path / "a", "--no-eval")
     assert rc == 2 and re.search(pattern, msg), msg
     assert not (tmp_path / "a" / "cal").exists()
+
+
+# --- eval stage --------------------------------------------------------------------------------------------
+
+def test_perplexity_window_longer_than_the_text(tiny_llama, tmp_path, capsys):
+    text = tmp_path / "short.txt"
+    text.write_text("Only a few words to score.\n")
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="ev", method="rtn",
+                         eval=dict(perplexity=dict(dataset=str(text), seq_len=2048), vllm=dict(enabled=False)))
+    rc, msg = _cli(capsys, "run", recipe, "--out", tmp_path / "a")
+    assert rc == 2 and re_match(r"error: eval: perplexity text '.*short.txt' has \d+ tokens, fewer than one window of "
+                                r"2048; lower eval.perplexity.seq_len or use a longer eval.perplexity.dataset$", msg)
+    assert (tmp_path / "a" / "ev" / "manifest.json").is_file()  # the artifact itself was written and stays
+    from eval.cli import main as eval_main
+
+    assert eval_main([str(recipe), "--out", str(tmp_path / "a"), "--no-vllm"]) == 2
+    assert "fewer than one window of 2048; lower eval.perplexity.seq_len" in capsys.readouterr().err
+
+
+def re_match(pattern: str, text: str) -> bool:
+    import re
+
+    return re.match(pattern, text) is not None
