@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
+    from quantize.paths import child
     from quantize.recipe import EvalOptions, RecipeError, load_recipe
 
     from .artifact import ArtifactError
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.recipe:
             recipe = load_recipe(a.recipe)
-            eopts, artifact = recipe.eval, Path(a.artifact or Path(a.out) / recipe.name)
+            eopts, artifact = recipe.eval, Path(a.artifact or child(a.out, recipe.name, "recipe name"))
         elif a.artifact:
             eopts, artifact = EvalOptions(), Path(a.artifact)
         else:

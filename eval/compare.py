@@ -14,6 +14,7 @@ from pathlib import Path
 
 from quantize.export import MANIFEST
 from quantize.modelcard import protocol_sentence
+from quantize.paths import child
 
 from .artifact import PACKED_TENSOR
 
@@ -163,12 +164,18 @@ def write_comparison(name: str, artifacts: list[Path], out_root: Path, extra: di
     doc = {"name": name, **meta, "rows": rows}
     out_root = Path(out_root)
     out_root.mkdir(parents=True, exist_ok=True)
-    stem = out_root / f"compare-{name}"
-    stem.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(render_markdown(f"compare-{name}", rows, meta))
-    plot(rows, stem.with_suffix(".png"), f"compare-{name}: {rows[0]['base_model']}")
+    stem = comparison_stem(out_root, name)
+    stem.with_name(f"{stem.name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    stem.with_name(f"{stem.name}.md").write_text(render_markdown(f"compare-{name}", rows, meta))
+    plot(rows, stem.with_name(f"{stem.name}.png"), f"compare-{name}: {rows[0]['base_model']}")
     log.info("wrote %s.{json,md,png}", stem)
     return doc
+
+
+def comparison_stem(out_root: Path, name: str) -> Path:
+    """out_root/compare-<name> (its .json, .md, .png); UnsafePathError if the name leads outside out_root."""
+    path = child(out_root, f"compare-{name}.json", "comparison --name")
+    return path.with_name(path.name.removesuffix(".json"))
 
 
 def default_name(names: list[str]) -> str:
@@ -199,6 +206,7 @@ def run_comparison(recipe_names: list[str], out_root: Path, force: bool = False,
 
     variants = [v for n in recipe_names for v in load_variants(n)]  # every variant validated before any load
     name = name or default_name([Path(n).stem for n in recipe_names])
+    comparison_stem(out_root, name)  # a --name that leads outside --out is refused before any work
     groups: dict[tuple, list] = {}
     for v in variants:
         groups.setdefault(runner.share_key(v), []).append(v)

@@ -64,7 +64,8 @@ def windows(tokenizer, text: str, protocol: Protocol) -> torch.Tensor:
     if protocol.max_windows is not None:
         n = min(n, protocol.max_windows)
     if n == 0:
-        raise ValueError(f"text has {ids.numel()} tokens, fewer than one window of {protocol.seq_len}")
+        raise ValueError(f"perplexity text {protocol.dataset!r} has {ids.numel()} tokens, fewer than one window of "
+                         f"{protocol.seq_len}; lower eval.perplexity.seq_len or use a longer eval.perplexity.dataset")
     return ids[: n * protocol.seq_len].reshape(n, protocol.seq_len)  # [n, seq]
 
 

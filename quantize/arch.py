@@ -87,8 +87,26 @@ ARCHITECTURES: dict[str, Arch] = {
 }
 
 
+# GGUF `general.architecture` -> the transformers architecture it converts to (read before converting anything).
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
 class UnsupportedArchitecture(ValueError):
     pass
+
+
+def check_gguf_architecture(name: str, where: str) -> str:
+    """A GGUF header's `general.architecture` -> the transformers architecture; unknown ones are refused."""
+    if name not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"{where}: GGUF architecture {name[:80]!r} (general.architecture) is not supported; supported: "
+            f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
+    return GGUF_ARCHITECTURES[name]
 
 
 def arch_for(config) -> Arch:

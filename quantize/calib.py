@@ -14,6 +14,7 @@ What was used, and its sha256, is returned so the manifest can record it.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import random
@@ -74,12 +75,24 @@ def _from_hub(dataset: str, subset: str | None, split: str, column: str, max_doc
 
 def _from_file(path: Path, column: str) -> list[str]:
     if path.suffix == ".txt":
-        return _split_paragraphs(path.read_text(encoding="utf-8"))
-    if path.suffix in (".jsonl", ".json", ".parquet"):
+        try:
+            return _split_paragraphs(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise CalibrationError(f"calibration.dataset {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                                   f"convert it to UTF-8 or point calibration.dataset at a text file") from None
+    if path.suffix == ".jsonl":
+        return _from_jsonl(path, column)
+    if path.suffix in (".json", ".parquet"):
         import datasets
 
         kind = "parquet" if path.suffix == ".parquet" else "json"
-        ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        try:
+            ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        except Exception as e:  # noqa: BLE001 - the json/parquet readers raise many types for bad input
+            what = "JSON" if kind == "json" else "Parquet"
+            first = " ".join(str(e).split())[:200]
+            raise CalibrationError(f"calibration.dataset {path} cannot be read as {what} ({type(e).__name__}: "
+                                   f"{first}); fix the file or point calibration.dataset at another one") from None
         if column not in ds.column_names:
             raise CalibrationError(
                 f"calibration.text_column {column!r} is not a column of {path}; columns: {ds.column_names}"
@@ -134,6 +147,35 @@ def _hub_text(dataset: str, hub_id: str, subset: str | None, split: str, column:
         why = "HF_HUB_OFFLINE=1 and it is not in the local cache" if hub_offline() else f"{type(e).__name__}: {e}"
         raise _unreachable(dataset, hub_id, why) from None
     return CalibText(docs, f"hub:{hub_id}/{subset}:{split}", _sha(docs))
+
+
+def _from_jsonl(path: Path, column: str) -> list[str]:
+    """One JSON object per line -> the non-empty strings under `column` (a bad line is named by its number)."""
+    def bad(n: int, why: str) -> CalibrationError:
+        return CalibrationError(f"calibration.dataset {path} cannot be read as JSON Lines (one JSON object per line): "
+                                f"line {n} {why}; fix the file or point calibration.dataset at another one")
+
+    docs, columns = [], set()
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+                row = json.loads(line) if line else None
+            except UnicodeDecodeError as e:
+                raise bad(n, f"is not UTF-8 ({e.reason} at byte {e.start})") from None
+            except ValueError as e:
+                raise bad(n, f"is not JSON ({e})") from None
+            if row is None:
+                continue
+            if not isinstance(row, dict):
+                raise bad(n, f"is a JSON {type(row).__name__}, not an object")
+            columns.update(row)
+            if isinstance(row.get(column), str) and row[column].strip():
+                docs.append(row[column])
+    if column not in columns:
+        raise CalibrationError(f"calibration.text_column {column!r} is not a column of {path}; columns: "
+                               f"{sorted(columns)[:20]}")
+    return docs
 
 
 def load_text(dataset: str, split: str | None = None, subset: str | None = None, column: str = "text") -> CalibText:

@@ -12,17 +12,25 @@ fast GPU runs do not spend their time writing activations. Loads use torch.load(
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 import time
 from pathlib import Path
 
 import torch
 
+from .export import DiskFullError, disk_full_errno
+from .preflight import human_bytes
+
 log = logging.getLogger(__name__)
+
+# What reading a damaged checkpoint raises: bad JSON, missing keys, a truncated or garbled torch file.
+_UNREADABLE = (ValueError, KeyError, TypeError, OSError, EOFError, RuntimeError, pickle.UnpicklingError)
 
 STATE = "state.json"
 
@@ -34,9 +42,14 @@ def fingerprint(parts: dict) -> str:
 
 def _save(obj, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:  # a file object: torch keeps the OSError (a full disk) as its error's context
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
@@ -55,28 +68,52 @@ class Checkpointer:
         state_path = self.dir / STATE
         if not state_path.is_file():
             return 0, None, None
-        state = json.loads(state_path.read_text())
-        if state.get("fingerprint") != self.fingerprint:
-            log.warning("checkpoint %s belongs to a different run (recipe, calibration, model or code changed); "
-                        "discarding it and starting from layer 1", self.dir)
+        try:
+            state = json.loads(state_path.read_text())
+            if state.get("fingerprint") != self.fingerprint:
+                log.warning("checkpoint %s belongs to a different run (recipe, calibration, model or code changed); "
+                            "discarding it and starting from layer 1", self.dir)
+                self.clear()
+                return 0, None, None
+            snapshots = [torch.load(self.dir / name, weights_only=True) for name in state["layer_files"]]
+            carry = torch.load(self.dir / state["carry"], weights_only=True)
+            start, inputs, chains = state["next_layer"], carry["inputs"], carry["chains"]
+        except _UNREADABLE as e:  # everything is read before any job is touched
+            log.warning("checkpoint %s cannot be read (%s: %s); discarding it and starting from layer 1", self.dir,
+                        type(e).__name__, " ".join(str(e).split())[:200])
             self.clear()
             return 0, None, None
-        for name in state["layer_files"]:
-            snaps = torch.load(self.dir / name, weights_only=True)
+        for snaps in snapshots:
             for job, snap in zip(jobs, snaps):
                 job.restore(snap)
-        carry = torch.load(self.dir / state["carry"], weights_only=True)
-        self._saved_upto = state["next_layer"]
-        log.info("resuming from checkpoint %s: layers 1-%d already done (saved %s)", self.dir, state["next_layer"],
-                 state["saved_at"])
-        return state["next_layer"], carry["inputs"], carry["chains"]
+        self._saved_upto = start
+        log.info("resuming from checkpoint %s: layers 1-%d already done (saved %s)", self.dir, start,
+                 state.get("saved_at"))
+        return start, inputs, chains
 
     def due(self, index: int, n_layers: int) -> bool:
         """A save is due after layer `index` (never after the last: the export follows at once)."""
         return index + 1 < n_layers and time.monotonic() - self._last_save >= self.every_s
 
     def save(self, index: int, jobs, inputs: list, chains: dict[int, list]) -> None:
-        """Save what the jobs produced for layers [_saved_upto, index] and the inputs carried to the next."""
+        """Save what the jobs produced for layers [_saved_upto, index] and the inputs carried to the next.
+
+        A full disk stops the run (DiskFullError): the last complete checkpoint is kept for the rerun."""
+        try:
+            self._save_state(index, jobs, inputs, chains)
+        except Exception as e:  # noqa: BLE001 - torch reports a full disk as a RuntimeError
+            code = disk_full_errno(e)
+            if code is None:
+                raise
+            what = "disk is full" if code == errno.ENOSPC else "disk quota is exceeded"
+            free = human_bytes(shutil.disk_usage(self.dir).free)
+            kept = f"layers 1-{self._saved_upto} stay saved" if self._saved_upto else "no layer was saved yet"
+            raise DiskFullError(
+                f"the {what} on {self.dir.parent.resolve()} while saving the resume checkpoint {self.dir} after layer "
+                f"{index + 1} ({os.strerror(code)}; {free} free now); {kept}, and a rerun resumes from there. Free "
+                f"space on that disk (or set checkpoint_every_s: null in the recipe to save none), then rerun") from e
+
+    def _save_state(self, index: int, jobs, inputs: list, chains: dict[int, list]) -> None:
         t0 = time.perf_counter()
         self.dir.mkdir(parents=True, exist_ok=True)
         lo, hi = self._saved_upto, index + 1

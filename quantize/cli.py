@@ -4,59 +4,81 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
 
+from eval.artifact import ArtifactError
+
 from .arch import UnsupportedArchitecture
 from .calib import CalibrationError
 from .capture import NumericalError
-from .export import DiskFullError, NonFiniteTensorError, OutputExistsError
+from .export import DiskFullError, ExportError, NonFiniteTensorError, OutputExistsError
 from .lock import OutputLockedError
+from .paths import UnsafePathError, child
 from .preflight import PreflightError
 from .recipe import RecipeError, list_recipes, load_recipe, load_variants
 from .registry import RegistryError
 from .source import ModelSourceError
 
-# Errors a user can cause: printed as one clear message, exit code 2, no traceback. Anything else is a bug
-# and keeps its traceback.
+# Errors a user can cause: printed as one clear message, exit code 2, no traceback (`--debug` shows it).
+# Anything else is a bug and keeps its traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (RecipeError, PreflightError, ModelSourceError, CalibrationError,
                                                 UnsupportedArchitecture, OutputExistsError, FileNotFoundError,
                                                 RegistryError, OutputLockedError, DiskFullError, NumericalError,
-                                                NonFiniteTensorError)
+                                                UnsafePathError, ExportError, ArtifactError, NonFiniteTensorError)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM: unwinds like Ctrl-C, so every cleanup on the way runs."""
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+INTERRUPTED = ("error: interrupted by {sig}; files being written were removed and existing artifacts are untouched. "
+               "Rerun the command to start again (a run with checkpoints resumes after its last saved layer)")
 
 
 def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="on an error, show its traceback, not one line")
     p = argparse.ArgumentParser(prog="python -m quantize", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="quantize per recipe: recipes/<name>.yaml -> artifacts/<name>/")
+    r = sub.add_parser("run", parents=[common], help="quantize per recipe: recipes/<name>.yaml -> artifacts/<name>/")
     r.add_argument("recipe", help="recipe name (recipes/<name>.yaml) or path to a YAML file")
     r.add_argument("--out", default="artifacts", help="parent directory of the artifact (default: artifacts)")
     r.add_argument("--force", action="store_true", help="replace an existing artifact directory")
     r.add_argument("--no-eval", action="store_true", help="skip the eval stage even if the recipe enables it")
-    c = sub.add_parser("compare", help="quantize several recipes (or a sweep recipe) in one shared pass, evaluate "
-                                       "each, write artifacts/compare-<name>.{md,json,png}")
+    c = sub.add_parser("compare", parents=[common],
+                       help="quantize several recipes (or a sweep recipe) in one shared pass, evaluate each, write "
+                            "artifacts/compare-<name>.{md,json,png}")
     c.add_argument("recipes", nargs="+", help="recipe names or YAML paths; a recipe with `sweep:` expands to variants")
     c.add_argument("--name", help="comparison name (default: the recipes' common prefix)")
     c.add_argument("--out", default="artifacts", help="parent directory of the artifacts and comparison files")
     c.add_argument("--force", action="store_true", help="replace existing artifact directories")
     c.add_argument("--no-eval", action="store_true", help="compare sizes and times only (no perplexity, no vLLM)")
-    rg = sub.add_parser("register", help="register an evaluated artifact in the MLflow model registry "
-                                         "(default: SQLite file registry/mlflow.db; MLFLOW_TRACKING_URI for a server)")
+    rg = sub.add_parser("register", parents=[common],
+                        help="register an evaluated artifact in the MLflow model registry (default: SQLite file "
+                             "registry/mlflow.db; MLFLOW_TRACKING_URI for a server)")
     rg.add_argument("recipe", nargs="?", help="recipe name: registers artifacts/<name>/")
     rg.add_argument("--artifact", help="artifact directory (instead of a recipe name)")
     rg.add_argument("--out", default="artifacts")
     rg.add_argument("--by-reference", action="store_true", help="record the artifact's location, do not copy it")
     rg.add_argument("--storage-uri", help="where the artifact lives for consumers (s3://..., implies --by-reference)")
-    ls = sub.add_parser("registry", help="list registered versions with their metrics")
+    ls = sub.add_parser("registry", parents=[common], help="list registered versions with their metrics")
     ls.add_argument("--name", help="one registered model only")
     ls.add_argument("--json", action="store_true")
-    v = sub.add_parser("validate", help="check recipes without loading any model")
+    v = sub.add_parser("validate", parents=[common], help="check recipes without loading any model")
     v.add_argument("recipes", nargs="*", help="names or paths (default: every recipe in recipes/)")
-    sub.add_parser("list", help="list the shipped recipes")
-    pf = sub.add_parser("preflight", help="check a recipe against the model's shapes and vLLM's kernels; "
-                                          "reads config.json only (no weights)")
+    sub.add_parser("list", parents=[common], help="list the shipped recipes")
+    pf = sub.add_parser("preflight", parents=[common],
+                        help="check a recipe against the model's shapes and vLLM's kernels; reads config.json only "
+                             "(no weights)")
     pf.add_argument("recipe")
     pf.add_argument("--out", default="artifacts", help="parent directory of the artifact (checks its free disk)")
     pf.add_argument("--force", action="store_true", help="an existing artifact would be replaced: not an error")
@@ -92,6 +114,21 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
+    handled = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+    previous = {s: signal.signal(s, _interrupt) for s in handled}
+    try:
+        return _main(args)
+    except KeyboardInterrupt as e:
+        if args.debug:
+            raise
+        print(INTERRUPTED.format(sig=e.args[0] if e.args else "SIGINT (Ctrl-C)"), file=sys.stderr)
+        return 2
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _main(args) -> int:
     during_eval = False
     try:
         if args.cmd == "list":
@@ -122,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if not (args.recipe or args.artifact):
                 raise RecipeError("give a recipe name or --artifact DIR")
-            artifact = Path(args.artifact) if args.artifact else Path(args.out) / args.recipe
+            artifact = Path(args.artifact) if args.artifact else child(args.out, args.recipe, "recipe name")
             if not artifact.is_dir():
                 raise FileNotFoundError(f"{artifact} does not exist; run make quantize RECIPE=... first")
             res = registry.register(artifact, True if args.by_reference else None, args.storage_uri)
@@ -154,10 +191,17 @@ def main(argv: list[str] | None = None) -> int:
             return run_eval(out, None, recipe.eval)
         return 0
     except USER_ERRORS as e:
+        if args.debug:
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:  # what the eval stage raises for its inputs (as `python -m eval` reports them)
+        if not during_eval or args.debug:
+            raise
+        print(f"error: eval: {e}", file=sys.stderr)
+        return 2
     except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
-        if args.cmd not in ("run", "preflight") or not is_out_of_memory(e):
+        if args.cmd not in ("run", "preflight") or not is_out_of_memory(e) or args.debug:
             raise
         print(f"error: {oom_message(e, args.recipe, during_eval)}", file=sys.stderr)
         return 2

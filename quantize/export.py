@@ -38,7 +38,29 @@ class DiskFullError(OSError):
     """The disk filled up (or a quota was hit) while an artifact was written; nothing was left behind."""
 
 
+class ExportError(OSError):
+    """The operating system refused a write or rename of the artifact (not a full disk); nothing was left behind."""
+
+
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# How libraries that wrap the OS error say it: safetensors (Rust) "... (os error 28)"; torch.save to a path
+# loses the errno, to a file object keeps the OSError as the RuntimeError's __context__.
+_DISK_FULL_TEXT = {errno.ENOSPC: ("No space left on device", f"(os error {errno.ENOSPC})"),
+                   errno.EDQUOT: ("Disk quota exceeded", f"(os error {errno.EDQUOT})")}
+
+
+def disk_full_errno(e: BaseException | None) -> int | None:
+    """ENOSPC / EDQUOT if `e`, or an exception it was raised from, says the disk is full -> errno, else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            return e.errno
+        for code, texts in _DISK_FULL_TEXT.items():
+            if not isinstance(e, OSError) and any(t in str(e) for t in texts):
+                return code
+        e = e.__cause__ or e.__context__
+    return None
 
 
 class NonFiniteTensorError(FloatingPointError):
@@ -148,13 +170,22 @@ def file_hashes(root: Path, sync: bool = False) -> dict[str, dict]:
     return {str(p.relative_to(root)): {"sha256": h, "bytes": p.stat().st_size} for p, h in zip(files, digests)}
 
 
+def temp_name(out: Path) -> str:
+    """The glob of `out`'s temporary directories (written, then renamed to `out`)."""
+    return f".{out.name}.tmp-*"
+
+
 def atomic_write_dir(out: Path, fill: Callable[[Path], dict], force: bool = False) -> Path:
-    """Call fill(tmp_dir) -> manifest extras; add file hashes; fsync; rename tmp_dir to `out`."""
+    """Call fill(tmp_dir) -> manifest extras; add file hashes; fsync; rename tmp_dir to `out`.
+
+    On any failure (an interrupt included) the temporary directory is removed and a previous `out` is in place;
+    a full disk raises DiskFullError, another refused write or rename ExportError, each saying so.
+    """
     out = Path(out)
     if out.exists() and not force:
         raise OutputExistsError(f"output {out} already exists; remove it or pass --force (make ... FORCE=1)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = out.parent / temp_name(out).replace("*", uuid.uuid4().hex[:8])
     tmp.mkdir()
     try:
         extras = fill(tmp)
@@ -163,34 +194,76 @@ def atomic_write_dir(out: Path, fill: Callable[[Path], dict], force: bool = Fals
         _readable(tmp)
         for p in [tmp / MANIFEST, *(d for d in tmp.rglob("*") if d.is_dir()), tmp]:
             _fsync(p)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        _swap_in(tmp, out)
     except BaseException as e:
         written = _tree_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and e.errno in DISK_FULL:
-            raise _disk_full(out, e, written) from e
+        if isinstance(e, (ExportError, DiskFullError)):
+            raise
+        code = disk_full_errno(e)
+        if code is not None:
+            raise _disk_full(out, written, code) from e
+        if isinstance(e, OSError):
+            raise ExportError(f"writing the artifact {out} failed: {e}; the partial files were removed and "
+                              f"{_state(out)}. Fix the cause (permissions, the disk) or write elsewhere with --out "
+                              f"DIR, then rerun") from e
         raise
     return out
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Rename tmp to out; a previous out is moved aside first and moved back if the second rename fails."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException as e:
+        try:
+            os.replace(old, out)
+        except OSError as again:
+            raise ExportError(f"writing the artifact {out} failed at the final rename ({e}), and moving the "
+                              f"previous artifact back failed too ({again}): it is in {old}; rename it to {out}") from e
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale(out: Path) -> None:
+    """Clean up after a run of `out` that was killed while exporting (call with `out`'s lock held, so no live
+    run owns these): its temporary directories are removed; a previous artifact it had moved aside is put back
+    when `out` is missing, else removed."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return
+    for tmp in sorted(out.parent.glob(temp_name(out))):
+        log.warning("removing %s, left by an interrupted run", tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in sorted(out.parent.glob(f".{out.name}.old-*")):
+        if not out.exists():
+            log.warning("putting back the previous artifact %s, which an interrupted run had moved to %s", out, old)
+            os.replace(old, out)
+        else:
+            log.warning("removing %s, a replaced artifact an interrupted run had not removed yet", old)
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
 
 
-def _disk_full(out: Path, err: OSError, written: int) -> DiskFullError:
-    what = "disk is full" if err.errno == errno.ENOSPC else "disk quota is exceeded"
-    state = f"the previous {out} is untouched" if out.exists() else f"{out} was not created"
+def _state(out: Path) -> str:
+    return f"the previous {out} is untouched" if out.exists() else f"{out} was not created"
+
+
+def _disk_full(out: Path, written: int, code: int) -> DiskFullError:
+    what = "disk is full" if code == errno.ENOSPC else "disk quota is exceeded"
     free = shutil.disk_usage(out.parent).free
     return DiskFullError(
         f"the {what} on {out.parent.resolve()} while writing the artifact ({human_bytes(written)} written when "
-        f"it failed: {err.strerror or err}); the partial files were removed and {state}. {human_bytes(free)} are free "
-        f"there now: free more space on that disk or write elsewhere with --out DIR, then rerun")
+        f"it failed: {os.strerror(code)}); the partial files were removed and {_state(out)}. {human_bytes(free)} are "
+        f"free there now: free more space on that disk or write elsewhere with --out DIR, then rerun")
 
 
 def build_state_dict(model, quantized: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype,

@@ -255,19 +255,62 @@ def _merge(base: dict, override: dict) -> dict:
     return out
 
 
+class _Refused(yaml.YAMLError):
+    """A YAML construct recipes do not allow; the message is one line with its position."""
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """yaml's safe loader, stricter: no aliases (`*a`: expansion can be exponential, and `base:` is how recipes
+    share keys) and no duplicate keys (YAML would keep the last one silently)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            line = self.peek_event().start_mark.line + 1
+            raise _Refused(f"line {line}: aliases (*name) are not allowed in a recipe; write the value out, or "
+                           f"share keys with `base: <recipe>`")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        first: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                raise _Refused(f"line {line}: a recipe key must be a plain name")
+            if key in first:
+                raise _Refused(f"line {line}: key {_short(key)} is given twice in the same mapping (first on line "
+                               f"{first[key]}); keep one")
+            first[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """repr(value) for a message, never longer than `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _read_raw(path: Path, seen: tuple[Path, ...]) -> dict:
     if path in seen:
         chain = " -> ".join(p.stem for p in (*seen, path))
         raise RecipeError(f"recipe inheritance loops: {chain}; remove one of the `base:` keys")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_RecipeLoader)  # noqa: S506 - a safe loader
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the recipe as UTF-8") from None
+    except _Refused as e:
+        raise RecipeError(f"{path}: {e}") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise RecipeError(f"{path}{where}: not valid YAML: {_short(e.problem or e.context, 200)}") from None
     except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+        raise RecipeError(f"{path}: not valid YAML: {_short(str(e), 200)}") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe must be a YAML mapping of keys to values")
     if raw.get("name") != path.stem:
         raise RecipeError(
-            f"{path}: key `name` is {raw.get('name')!r} but must equal the file stem {path.stem!r}"
+            f"{path}: key `name` is {_short(raw.get('name'))} but must equal the file stem {path.stem!r}"
         )
     base = raw.get("base")
     if base is None:
@@ -281,13 +324,13 @@ def _read_raw(path: Path, seen: tuple[Path, ...]) -> dict:
 def _format_error(path: Path, err: ValidationError, what: str = "recipe") -> str:
     lines = [f"{path}: {what} is invalid:"]
     for e in err.errors():
-        key = ".".join(str(x) for x in e["loc"]) or "(recipe)"
+        key = ".".join(str(x) for x in e["loc"])[:120] or "(recipe)"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             allowed = _allowed_keys(e["loc"])
             msg = f"unknown key; allowed keys here: {', '.join(allowed)}"
         value = e.get("input")
-        shown = "" if e["type"] in ("missing", "extra_forbidden") or isinstance(value, dict) else f" = {value!r}"
+        shown = "" if e["type"] in ("missing", "extra_forbidden") or isinstance(value, dict) else f" = {_short(value)}"
         lines.append(f"  - `{key}`{shown}: {msg}")
     return "\n".join(lines)
 
@@ -338,10 +381,10 @@ def expand_sweep(sweep: Any, path: Path) -> list[dict[str, Any]]:
                           f"e.g. sweep: {{q_group_size: [32, 64, 128]}}")
     for key, values in sweep.items():
         if key in ("name", "base", "model", "sweep") or not isinstance(values, list) or not values:
-            raise RecipeError(f"{path}: sweep key `{key}` must be a recipe setting (not name/base/model) with a "
-                              f"non-empty list of values, e.g. {key}: [32, 64, 128]")
+            raise RecipeError(f"{path}: sweep key {_short(key)} must be a recipe setting (not name/base/model) "
+                              f"with a non-empty list of values, e.g. q_group_size: [32, 64, 128]")
         if len({repr(v) for v in values}) != len(values):
-            raise RecipeError(f"{path}: sweep key `{key}` lists a value twice: {values}")
+            raise RecipeError(f"{path}: sweep key `{key}` lists a value twice: {_short(values)}")
     return [dict(zip(sweep, combo)) for combo in itertools.product(*sweep.values())]
 
 

@@ -12,6 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .export import MANIFEST, sha256_file
@@ -30,6 +34,39 @@ class RegistryError(ValueError):
 
 def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{DEFAULT_DIR / 'mlflow.db'}"
+
+
+@contextmanager
+def _registry_errors() -> Iterator[None]:
+    """A registry database or server that cannot be used -> RegistryError saying which and what to do."""
+    import sqlite3
+
+    from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        yield
+    except (MlflowException, SQLAlchemyError, sqlite3.Error) as e:
+        uri = tracking_uri()
+        what = (f"move {uri.removeprefix('sqlite:///')} aside (a new one is created) or restore it from a backup"
+                if uri.startswith("sqlite:///") else "check the server, or set MLFLOW_TRACKING_URI to another one")
+        first = " ".join(str(e).split())[:200]
+        raise RegistryError(f"the model registry {uri} cannot be used ({type(e).__name__}: {first}); {what}") from None
+
+
+def _snapshot(artifact: Path, m: dict, into: Path) -> None:
+    """Copy the files the manifest lists (never following a symlink) and verify the copy: what is registered
+    is exactly what was verified, even if the directory changes meanwhile."""
+    from eval.artifact import ArtifactError, verify_manifest
+
+    names = [*m["files"], *(n for n in m.get("report", {}) if n != "passed"), MANIFEST]
+    for name in names:
+        (into / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(artifact / name, into / name, follow_symlinks=False)
+    try:
+        verify_manifest(into)
+    except ArtifactError as e:
+        raise RegistryError(f"{artifact} changed while it was being registered: {e}") from None
 
 
 def _client():
@@ -111,11 +148,17 @@ def register(artifact: Path, by_reference: bool | None = None, storage_uri: str 
     """
     artifact = Path(artifact).resolve()
     m, report = check_artifact(artifact)
-    r = m["recipe"]
     size = sum(f["bytes"] for f in m["files"].values())
     limit = int(os.environ.get("QUANTIZE_REGISTRY_COPY_LIMIT", COPY_LIMIT_BYTES))
     if by_reference is None:
         by_reference = size > limit or storage_uri is not None
+    with _registry_errors(), tempfile.TemporaryDirectory(prefix=".register-") as snap:
+        return _register(artifact, m, report, by_reference, storage_uri, Path(snap))
+
+
+def _register(artifact: Path, m: dict, report: dict, by_reference: bool, storage_uri: str | None,
+              snap: Path) -> dict:
+    r = m["recipe"]
     mlflow, client = _client()
     tags = {"base_model": m["model"]["spec"], "method": r["method"], "w_bit": str(r["w_bit"]),
             "group_size": str(r["q_group_size"]), "format": m["format"]["name"],
@@ -132,7 +175,8 @@ def register(artifact: Path, by_reference: bool | None = None, storage_uri: str 
         if by_reference:
             source = storage_uri or artifact.as_uri()
         else:
-            mlflow.log_artifacts(str(artifact), "model")
+            _snapshot(artifact, m, snap)
+            mlflow.log_artifacts(str(snap), "model")
             source = f"{run.info.artifact_uri}/model"
     name = m["artifact"]
     if not client.search_registered_models(filter_string=f"name = '{name}'"):
@@ -146,12 +190,13 @@ def register(artifact: Path, by_reference: bool | None = None, storage_uri: str 
 
 def versions(name: str | None = None) -> list[dict]:
     """Every registered version (of `name`, or all) with its tags and metrics, newest first."""
-    _, client = _client()
     rows = []
-    for mv in client.search_model_versions(f"name = '{name}'" if name else ""):
-        run = client.get_run(mv.run_id)
-        rows.append({"name": mv.name, "version": int(mv.version), "created": mv.creation_timestamp,
-                     "source": mv.source, "tags": dict(mv.tags), "metrics": dict(run.data.metrics)})
+    with _registry_errors():
+        _, client = _client()
+        for mv in client.search_model_versions(f"name = '{name}'" if name else ""):
+            run = client.get_run(mv.run_id)
+            rows.append({"name": mv.name, "version": int(mv.version), "created": mv.creation_timestamp,
+                         "source": mv.source, "tags": dict(mv.tags), "metrics": dict(run.data.metrics)})
     return sorted(rows, key=lambda x: (x["name"], -x["version"]))
 
 

@@ -14,13 +14,14 @@ from typing import Any
 
 import torch
 
-from . import calib, export, modelcard, source, warmup
+from . import calib, export, integrity, modelcard, source, warmup
 from .arch import Arch, arch_for
 from .capture import configure_allocator, run_shared
 from .checkpoint import Checkpointer, fingerprint
 from .engine import DTYPES, Job, feature_names, gptq_spec, is_skipped, propagation
 from .pack import pack_all
 from .lock import output_lock
+from .paths import check_output_parent, child
 from .preflight import Plan, PreflightError, check_free_disk, human_bytes, pick_device, plan, tied_embeddings
 from .recipe import Recipe, load_recipe
 
@@ -107,6 +108,9 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
         config = source.read_config(src, first.trust_remote_code)
         source.check_weights(src)
         arch = arch_for(config)
+        integrity.check_tensors(src, config, arch, first.trust_remote_code)
+        if not any(r.method in ("awq", "gptq") for r in recipes):  # calibration loads it otherwise
+            source.load_tokenizer(src, first.trust_remote_code)  # an artifact without a usable tokenizer is refused
         plans = [_plan_and_log(r, config, arch) for r in recipes]
         copied = sum((src.path / f).stat().st_size for f in source.TOKENIZER_FILES if (src.path / f).is_file())
         free = check_free_disk(outs[0], sum(p.tensor_bytes + copied for p in plans) + _checkpoint_bytes(recipes, config, plans))
@@ -139,7 +143,8 @@ def _checkpoint_bytes(recipes: list[Recipe], config, plans: list[Plan]) -> int:
 def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False) -> str:
     """Every pre-flight check of `run`, no weights loaded -> the report (also what `run` logs first)."""
     recipe = load_recipe(recipe_name)
-    out = Path(out_root) / recipe.name
+    out = child(out_root, recipe.name, "recipe name")
+    check_output_parent(out_root)
     pf = preflight([recipe], [out], force, Timings())
     c, the_plan = recipe.calibration, pf.plans[0]
     calib_line = (f"calibration: {c.n_samples} x {c.seq_len} tokens from {pf.calib_record['source']}"
@@ -170,10 +175,12 @@ def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: b
     each recipe still computes exactly what it would alone (see `capture.run_shared`). Every output's lock is
     held for the whole run.
     """
-    outs = [Path(out_root) / r.name for r in recipes]
+    outs = [child(out_root, r.name, "recipe name") for r in recipes]
+    check_output_parent(out_root)
     with ExitStack() as locks:
         for out in outs:
             locks.enter_context(output_lock(out))
+            export.remove_stale(out)  # what a killed run of this output left; no live run can own it now
         try:
             return _run_many(recipes, outs, force)
         finally:

@@ -80,12 +80,14 @@ def resolve(spec: str) -> ModelSource:
     """Recipe `model` -> ModelSource with a local directory (converting GGUF when needed)."""
     if spec.startswith("package:"):
         gguf = _package_file(spec)
+        gguf_architecture(gguf, spec)
         path, sha = gguf_to_dir(gguf)
         return ModelSource(spec, path, "gguf", sha)
     p = Path(spec).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
             raise ModelSourceError(f"model {spec!r}: GGUF file {p} does not exist")
+        gguf_architecture(p, spec)
         path, sha = gguf_to_dir(p)
         return ModelSource(spec, path, "gguf", sha)
     if p.is_dir():
@@ -108,37 +110,85 @@ def resolve(spec: str) -> ModelSource:
     return ModelSource(spec, Path(path), "hub")
 
 
+def gguf_architecture(gguf: Path, spec: str) -> str:
+    """The transformers architecture of a GGUF file, from its header alone (milliseconds; nothing is converted
+    or written); ModelSourceError for a file that is not GGUF, UnsupportedArchitecture for a model we cannot take."""
+    from gguf import GGUFReader
+
+    from .arch import check_gguf_architecture
+
+    try:
+        field = GGUFReader(str(gguf)).fields["general.architecture"]
+        name = bytes(field.parts[field.data[0]]).decode("utf-8")
+    except Exception as e:  # noqa: BLE001 - the parser's errors on arbitrary bytes are not one type
+        raise ModelSourceError(f"model {spec!r}: {gguf} is not a readable GGUF file ({brief(e)}); re-download it "
+                               f"or point the recipe's `model` at another file") from None
+    return check_gguf_architecture(name, f"model {spec!r}")
+
+
 def gguf_to_dir(gguf: Path) -> tuple[Path, str]:
-    """Dequantize a GGUF checkpoint once into a cached bf16 safetensors directory -> (dir, gguf sha256)."""
+    """Dequantize a GGUF checkpoint once into a cached bf16 safetensors directory -> (dir, gguf sha256).
+
+    A cache that does not hold what a finished conversion writes (a killed conversion, a damaged file) is
+    removed and rebuilt, with a warning."""
     sha = sha256_file(gguf)
     target = cache_dir() / "gguf" / f"{gguf.stem}-{sha[:16]}"
-    if (target / "config.json").is_file():
-        return target, sha
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
+    if target.exists():
+        damage = _cache_damage(target, sha)
+        if damage is None:
+            return target, sha
+        log.warning("GGUF conversion cache %s is damaged (%s); removing it and converting again", target, damage)
+        shutil.rmtree(target)
     log.info("converting GGUF %s to safetensors (once; cached at %s)", gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent,
-            gguf_file=gguf.name,
-            quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
-            dtype=torch.bfloat16,
-        )
-        # The GGUF quantizer stays attached after dequantizing; a saved config must not claim GGUF.
-        model.hf_quantizer = None
-        model.is_quantized = False
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        _convert_gguf(gguf, tmp)
         (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": sha}, indent=2))
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target, sha
+
+
+def _cache_damage(target: Path, sha: str) -> str | None:
+    """What is wrong with a GGUF conversion cache -> a phrase, or None when it is complete (source.json names
+    this GGUF, config.json parses, every safetensors header matches its file's size)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        if json.loads((target / "source.json").read_text())["sha256"] != sha:
+            return "source.json names another GGUF file"
+        json.loads((target / "config.json").read_text())
+        files = sorted(target.glob("*.safetensors"))
+        if not files:
+            return "no safetensors files"
+        for f in files:
+            with safe_open(str(f), framework="pt"):
+                pass
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+        return brief(e)
+    return None
+
+
+def _convert_gguf(gguf: Path, into: Path) -> None:
+    """transformers' GGUF loader, dequantizing to bf16, saved as a safetensors checkpoint with its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent,
+        gguf_file=gguf.name,
+        quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+        dtype=torch.bfloat16,
+    )
+    # The GGUF quantizer stays attached after dequantizing; a saved config must not claim GGUF.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(into)
+    tok.save_pretrained(into)
 
 
 def check_weights(source: ModelSource) -> list[str]:
@@ -195,10 +245,15 @@ def check_remote_code(source: ModelSource, trust_remote_code: bool) -> dict[str,
 
 def read_config(source: ModelSource, trust_remote_code: bool = False):
     """config.json -> transformers config, after refusing custom code the recipe does not trust."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     check_remote_code(source, trust_remote_code)
-    return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, TypeError, OSError, StrictDataclassError) as e:  # the last: a field's type
+        raise ModelSourceError(f"model {source.spec!r}: {source.path / 'config.json'} is not a usable transformers "
+                               f"config ({brief(e)}); fix or re-download it") from None
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool = False,
@@ -223,6 +278,19 @@ def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool 
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
+    """The checkpoint's tokenizer; ModelSourceError when it is missing or its files cannot be read."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - tokenizers' own parse errors are plain Exceptions
+        raise ModelSourceError(f"model {source.spec!r}: the tokenizer in {source.path} cannot be loaded "
+                               f"({brief(e)}); restore its tokenizer files "
+                               f"(tokenizer.json, tokenizer_config.json, ...)") from None
+    return tok
+
+
+def brief(e: BaseException, limit: int = 200) -> str:
+    """An exception as one line of at most `limit` characters, for a message that quotes it."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text if len(text) <= limit else text[: limit - 3] + '...'}"

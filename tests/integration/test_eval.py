@@ -68,6 +68,8 @@ def test_gate_fails_with_numbers(smollm2_rtn, capsys, tmp_path):
     m = json.loads((bad / "manifest.json").read_text())
     m["files"]["model.safetensors"]["sha256"] = sha256_file(bad / "model.safetensors")
     m.pop("report", None)
+    for name in ("report.json", "report.md"):  # an artifact is a closed set: unlisted files are refused
+        (bad / name).unlink()
     (bad / "manifest.json").write_text(json.dumps(m))
     code = eval_main([str(recipe), "--artifact", str(bad), "--no-vllm"])
     captured = capsys.readouterr()

@@ -32,8 +32,15 @@ def _copy(src, dst):
 
 
 def _leftovers(root):
-    """Anything a run may leave next to the artifact: temp dirs, old dirs, locks."""
-    return sorted(p.name for p in root.iterdir() if p.name.startswith(".") or p.suffix == ".lock")
+    """Anything a run may leave next to the artifact: temp dirs, old dirs, checkpoints, held locks. (A lock file
+    stays in place, empty or holding its last record; the lock itself ends with its process.)"""
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(".") or (p.suffix == ".lock" and _held(p)))
+
+
+def _held(lock_file):
+    probe = subprocess.run([sys.executable, "-c", "import sys; from filelock import FileLock; "
+                            "FileLock(sys.argv[1], timeout=0).acquire()", str(lock_file)], capture_output=True)
+    return probe.returncode != 0
 
 
 # --- free disk ---------------------------------------------------------------------------------------------
@@ -245,7 +252,8 @@ def test_second_writer_refused_while_first_holds_the_lock(tiny_llama, tmp_path, 
         proc.wait()
 
 
-def test_lock_held_during_run_and_stale_lock_taken_over(tiny_llama, tmp_path, monkeypatch, caplog):
+def test_lock_held_during_run_and_left_lock_file_reused(tiny_llama, tmp_path, monkeypatch):
+    """A lock file left by a killed run (here: a dead pid's record) is just a file: the next run takes the lock."""
     out_root = tmp_path / "a"
     out_root.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -258,12 +266,13 @@ def test_lock_held_during_run_and_stale_lock_taken_over(tiny_llama, tmp_path, mo
 
     def spy(*a, **k):
         seen.update(json.loads((out_root / "stale.lock").read_text()))
+        seen["held"] = _held(out_root / "stale.lock")
         return real(*a, **k)
 
     monkeypatch.setattr(source, "load_model", spy)
     runner.run(tiny_recipe(tmp_path, tiny_llama, name="stale", method="rtn"), out_root=out_root)
-    assert seen["pid"] == os.getpid()  # held by this run while it worked
-    assert "is stale" in caplog.text and _leftovers(out_root) == []  # released at the end
+    assert seen["pid"] == os.getpid() and seen["held"]  # held by this run while it worked
+    assert _leftovers(out_root) == []  # released at the end
 
 
 # --- disk full during export -------------------------------------------------------------------------------
@@ -284,7 +293,7 @@ def test_disk_full_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
     with pytest.raises(export.DiskFullError, match=rf"disk is full on {out_root}.*4.10 KB written.*"
                                                    r"partial files were removed and .* was not created"):
         runner.run(tiny_recipe(tmp_path, tiny_llama, name="full", method="rtn"), out_root=out_root)
-    assert list(out_root.iterdir()) == []
+    assert _leftovers(out_root) == [] and not (out_root / "full").exists()
 
 
 def test_disk_full_with_force_keeps_previous_artifact(tiny_llama, tmp_path, monkeypatch):

@@ -101,3 +101,80 @@ def test_checkpoint_of_another_run_is_discarded(deep_qwen2, tmp_path, monkeypatc
     assert "belongs to a different run" in caplog.text
     clean = runner.run(changed, out_root=tmp_path / "clean")
     assert (got / "model.safetensors").read_bytes() == (clean / "model.safetensors").read_bytes()
+
+
+def _crash_after_layer_4(monkeypatch, recipe, out_root):
+    from quantize import engine
+
+    real = engine.Job.process
+
+    def crash_at_5(self, data: LayerData):
+        if data.index == 4:
+            raise RuntimeError("injected crash")
+        return real(self, data)
+
+    with monkeypatch.context() as m:
+        m.setattr(engine.Job, "process", crash_at_5)
+        with pytest.raises(RuntimeError, match="injected crash"):
+            runner.run(recipe, out_root=out_root)
+
+
+def _damage(ckpt: Path, what: str) -> None:
+    state = json.loads((ckpt / "state.json").read_text())
+    if what == "state.json":
+        (ckpt / "state.json").write_text('{"fingerprint": "')
+    else:
+        f = ckpt / (state["layer_files"][-1] if what == "layer file" else state["carry"])
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("what", ["state.json", "layer file", "carry file"])
+def test_damaged_checkpoint_is_discarded_and_the_run_restarts(deep_qwen2, tmp_path, monkeypatch, caplog, what):
+    """A truncated or garbled checkpoint of our own is not worth a failing rerun: it is discarded with a warning."""
+    recipe = tiny_recipe(tmp_path, deep_qwen2, name="dmg", checkpoint_every_s=0, awq=dict(n_grid=2, clip_grid=2))
+    _crash_after_layer_4(monkeypatch, recipe, tmp_path / "o")
+    ckpt = tmp_path / "o" / ".dmg.checkpoint"
+    _damage(ckpt, what)
+    with caplog.at_level("WARNING"):
+        got = runner.run(recipe, out_root=tmp_path / "o")
+    assert f"checkpoint {ckpt} cannot be read" in caplog.text and "discarding it and starting from layer 1" in caplog.text
+    clean = runner.run(recipe, out_root=tmp_path / "clean")
+    assert (got / "model.safetensors").read_bytes() == (clean / "model.safetensors").read_bytes()
+    assert not ckpt.exists()
+
+
+def test_disk_full_while_saving_a_checkpoint(deep_qwen2, tmp_path, monkeypatch, capsys, caplog):
+    """torch.save reports a full disk as a RuntimeError (the OSError is its context): one line, the last complete
+    checkpoint kept, and the rerun resumes from it."""
+    import errno
+
+    from quantize import checkpoint, cli
+
+    recipe = tiny_recipe(tmp_path, deep_qwen2, name="full", checkpoint_every_s=0, awq=dict(n_grid=2, clip_grid=2))
+    real, calls = checkpoint.torch.save, []
+
+    def save(obj, f):
+        calls.append(1)
+        if len(calls) <= 2:  # layer 1's two files fit
+            return real(obj, f)
+        f.write(b"\0" * 100)
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534") from None
+
+    monkeypatch.setattr(checkpoint.torch, "save", save)
+    rc = cli.main(["run", str(recipe), "--out", str(tmp_path / "o"), "--no-eval"])
+    err = capsys.readouterr().err
+    line = [x for x in err.splitlines() if x.startswith("error:")]
+    assert rc == 2 and "Traceback" not in err and len(line) == 1
+    ckpt = tmp_path / "o" / ".full.checkpoint"
+    assert f"disk is full on {tmp_path / 'o'} while saving the resume checkpoint {ckpt} after layer 2" in line[0]
+    assert "layers 1-1 stay saved, and a rerun resumes from there" in line[0]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["carry-00001.pt", "layers-00000-00001.pt", "state.json"]
+    monkeypatch.setattr(checkpoint.torch, "save", real)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert cli.main(["run", str(recipe), "--out", str(tmp_path / "o"), "--no-eval"]) == 0
+    assert f"resuming from checkpoint {ckpt}: layers 1-1 already done" in caplog.text
+    assert (tmp_path / "o" / "full" / "model.safetensors").is_file() and not ckpt.exists()

@@ -168,3 +168,53 @@ def test_awq_coarse_step_must_be_below_n_grid(tmp_path):
     p.write_text("name: bad\nmodel: some/model\nmethod: awq\nawq: {n_grid: 8, coarse_step: 8}\n")
     with pytest.raises(RecipeError, match=r"`awq`.*coarse_step 8 must be below awq.n_grid 8"):
         load_recipe(p)
+
+
+# --- hostile YAML ------------------------------------------------------------------------------------------
+
+ALIAS_BOMB = """name: bomb
+model: m
+method: rtn
+a: &a ["xxxxxxxxxx", "xxxxxxxxxx", "xxxxxxxxxx", "xxxxxxxxxx", "xxxxxxxxxx", "xxxxxxxxxx", "xxxxxxxxxx"]
+""" + "".join(f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
+              f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n"
+              for i in range(9)) + "description: *j\n"
+
+
+def test_yaml_aliases_refused_without_expanding(tmp_path):
+    """9 levels of 9-fold aliases: 7 x 9^9 strings if expanded (tens of GB); refused at the first alias."""
+    (tmp_path / "bomb.yaml").write_text(ALIAS_BOMB)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(tmp_path / "bomb.yaml")
+    msg = str(e.value)
+    assert "bomb.yaml: line 5: aliases (*name) are not allowed in a recipe" in msg and "\n" not in msg
+
+
+def test_duplicate_key_names_key_and_lines(tmp_path):
+    (tmp_path / "dup.yaml").write_text("name: dup\nmodel: m\nmethod: awq\nq_group_size: 64\nbatch_size: 2\n"
+                                       "q_group_size: 128\n")
+    with pytest.raises(RecipeError, match=r"dup.yaml: line 6: key 'q_group_size' is given twice in the same mapping "
+                                          r"\(first on line 4\); keep one$"):
+        load_recipe(tmp_path / "dup.yaml")
+    (tmp_path / "dup2.yaml").write_text("name: dup2\nmodel: m\nmethod: awq\ncalibration:\n  n_samples: 4\n"
+                                        "  n_samples: 8\n")
+    with pytest.raises(RecipeError, match=r"line 6: key 'n_samples' is given twice .*first on line 5"):
+        load_recipe(tmp_path / "dup2.yaml")
+
+
+def test_error_messages_bound_the_values_they_show(tmp_path):
+    huge = "x" * 1_000_000
+    write_recipe(tmp_path / "big.yaml", model="m", method="awq", q_group_size=huge, batch_size=[huge])
+    with pytest.raises(RecipeError) as e:
+        load_recipe(tmp_path / "big.yaml")
+    assert "`q_group_size` = 'xxx" in str(e.value) and len(str(e.value)) < 1000
+    write_recipe(tmp_path / "big2.yaml", name=huge, model="m", method="awq")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(tmp_path / "big2.yaml")
+    assert "must equal the file stem 'big2'" in str(e.value) and len(str(e.value)) < 1000
+
+
+def test_recipe_not_utf8_refused(tmp_path):
+    (tmp_path / "bin.yaml").write_bytes(b"name: bin\nmodel: \xff\xfe\x00\n")
+    with pytest.raises(RecipeError, match="not UTF-8 text .* save the recipe as UTF-8"):
+        load_recipe(tmp_path / "bin.yaml")
