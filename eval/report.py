@@ -32,7 +32,7 @@ from quantize.export import MANIFEST, atomic_write_text, sha256_file
 from . import refcache
 from .artifact import load_dequantized, verify_manifest
 from .perplexity import Protocol, batch_windows, load_eval_text, perplexity, protocol_record, windows
-from .smoke import smoke, vllm_missing
+from .smoke import smoke, vllm_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,8 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
 
     smoke_res: dict = {"skipped": "eval.vllm.enabled is false"}
     if eopts.vllm.enabled:
-        smoke_res = {"skipped": vllm_missing()} if vllm_missing() else None
+        why_not = vllm_unavailable()
+        smoke_res = {"skipped": why_not} if why_not else None
         if smoke_res is None:
             t0 = time.perf_counter()
             smoke_res = smoke(artifact, load_reference, ctx["tokenizer"], ctx["served"], eopts.vllm.max_tokens,

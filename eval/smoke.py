@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import platform
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,9 +65,20 @@ def teacher_forced_agreement(reference, prompts: list[list[int]], generations: l
     return hits / max(total, 1)
 
 
-def vllm_missing() -> str | None:
-    """Why vLLM cannot run here (the smoke stage is then skipped with this reason), or None."""
-    return "vllm not importable" if importlib.util.find_spec("vllm") is None else None
+def vllm_unavailable() -> str | None:
+    """Why vLLM cannot serve a 4-bit artifact here (the smoke stage is then skipped with this reason), or None.
+
+    vLLM's CPU build picks its kernel library by the CPU's instruction set: only the AVX-512 libraries hold the
+    W4A16 GEMM (cpu_gemm_wna16) that AWQ, GPTQ and compressed-tensors weights need, so on an AVX2-only x86 CPU
+    every 4-bit load fails inside vLLM's workers. Told here, before a 40 s start that can only fail.
+    """
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm not importable"
+    if not torch.cuda.is_available() and platform.machine().lower() in ("x86_64", "amd64") \
+            and not torch.cpu._is_avx512_supported():
+        return ("vLLM's CPU build runs 4-bit weights only on AVX-512 CPUs (its AVX2 kernels lack cpu_gemm_wna16) "
+                "and this CPU has AVX2 only")
+    return None
 
 
 def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str = "float16", max_tokens: int = 32,

@@ -120,3 +120,17 @@ def kl_divergence(ref, model, ids: torch.Tensor) -> float:
         a = torch.log_softmax(ref(ids).logits.float(), -1)
         b = torch.log_softmax(model(ids).logits.float(), -1)
     return (a.exp() * (a - b)).sum(-1).mean().item()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that load a 4-bit artifact in vLLM skip, saying why, where vLLM cannot serve 4-bit weights (an
+    AVX2-only CPU); those marked vllm_config_only only need vLLM to refuse a configuration, and still run."""
+    from eval.smoke import vllm_unavailable
+
+    why = vllm_unavailable()
+    if not why:
+        return
+    skip = pytest.mark.skip(reason=f"vLLM cannot load 4-bit weights here: {why}")
+    for item in items:
+        if "vllm" in item.keywords and "vllm_config_only" not in item.keywords:
+            item.add_marker(skip)

@@ -175,11 +175,12 @@ def test_vllm_asked_for_the_artifacts_dtype(evaluated, monkeypatch, tmp_path):
         raise smoke_mod.VllmError("stop here")
 
     monkeypatch.setattr(smoke_mod, "run_vllm", fake_run)
+    monkeypatch.setattr(report, "vllm_unavailable", lambda: None)  # as on a host whose vLLM serves 4-bit
     monkeypatch.setattr(refcache, "cache_dir", lambda: tmp_path)
     eopts = EvalOptions(perplexity=dict(dataset="wikitext2", seq_len=128, max_windows=2))
     r = report.evaluate(art, None, eopts)
     assert asked["dtype"] == "bfloat16" and r["vllm_smoke"]["dtype"] == "bfloat16" and not r["passed"]
-    monkeypatch.setattr(report, "vllm_missing", lambda: "vllm not importable")
+    monkeypatch.setattr(report, "vllm_unavailable", lambda: "vllm not importable")
     r = report.evaluate(art, None, eopts)
     assert r["vllm_smoke"] == {"skipped": "vllm not importable"}
     assert "vLLM smoke-load: skipped (vllm not importable)" in (art / "README.md").read_text()
@@ -221,6 +222,7 @@ def test_root_cause_keeps_the_pydantic_reason():
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_config_only
 def test_vllm_refusal_names_its_reason(evaluated):
     """A real vLLM refusal (float32 for AWQ) reaches the user with vLLM's reason, not only its first line."""
     from eval.vllm_run import VllmError, run_vllm
@@ -229,3 +231,16 @@ def test_vllm_refusal_names_its_reason(evaluated):
     with pytest.raises(VllmError) as e:
         run_vllm(out, [[1, 2, 3]], dtype="float32", timeout=300)
     assert "float32 is not supported for quantization method awq" in str(e.value)
+
+
+def test_smoke_skips_where_vllm_cannot_serve_4bit(monkeypatch):
+    from eval import smoke as smoke_mod
+
+    monkeypatch.setattr(smoke_mod.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(smoke_mod.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(smoke_mod.torch.cpu, "_is_avx512_supported", lambda: False)
+    assert "AVX-512" in smoke_mod.vllm_unavailable()
+    monkeypatch.setattr(smoke_mod.torch.cpu, "_is_avx512_supported", lambda: True)
+    assert smoke_mod.vllm_unavailable() is None
+    monkeypatch.setattr(smoke_mod.importlib.util, "find_spec", lambda name: None)
+    assert smoke_mod.vllm_unavailable() == "vllm not importable"
