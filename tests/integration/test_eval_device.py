@@ -132,8 +132,10 @@ def test_nan_artifact_fails_eval_with_exit_3(evaluated, tmp_path, capsys):
     save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
     m = json.loads((bad / "manifest.json").read_text())
     m["files"]["model.safetensors"]["sha256"] = sha256_file(bad / "model.safetensors")
-    m.pop("report", None)
+    m.pop("report", None)  # a re-evaluated artifact: its old report goes with its hashes (a closed set)
     (bad / "manifest.json").write_text(json.dumps(m))
+    for n in ("report.json", "report.md"):
+        (bad / n).unlink(missing_ok=True)
     assert eval_main([str(recipe), "--artifact", str(bad)]) == 3
     assert "perplexity is not finite" in capsys.readouterr().err
     assert json.loads((bad / "report.json").read_text())["passed"] is False
@@ -168,6 +170,8 @@ def test_vllm_asked_for_the_artifacts_dtype(evaluated, monkeypatch, tmp_path):
     m["recipe"]["dtype"] = "bfloat16"
     m.pop("report", None)
     (art / "manifest.json").write_text(json.dumps(m))
+    for n in ("report.json", "report.md"):
+        (art / n).unlink(missing_ok=True)
     asked = {}
 
     def fake_run(model_dir, token_ids, **kw):
