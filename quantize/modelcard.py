@@ -123,7 +123,7 @@ def _serve(m: dict) -> list[str]:
     cfg = m.get("serve")
     if not cfg:  # an artifact written before serve configs existed
         return ["## Serve", "", "```bash", "vllm serve /path/to/this/directory", "```", ""]
-    cmd = serve_config.commands(cfg)
+    cmd = serve_config.commands(cfg, m["format"]["quant_method"])
     settings = ", ".join(f"`{k}: {v}`" for k, v in cfg.items())
     return ["## Serve", "",
             f"`{serve_config.SERVE_CONFIG}` holds the server settings pre-flight checked ({settings}). "

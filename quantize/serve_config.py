@@ -50,7 +50,8 @@ def build(recipe, plan) -> dict:
 def render(cfg: dict) -> str:
     head = ("# vLLM serve config written by quantize from the recipe and pre-flight (preflight.json).\n"
             "# GPU:       vllm serve . --config vllm-serve.yaml          (from this directory)\n"
-            "# CPU build: python -m vllm.entrypoints.openai.api_server --model . --config vllm-serve.yaml\n")
+            "# CPU build: python -m vllm.entrypoints.openai.api_server --model . --config vllm-serve.yaml\n"
+            "#            (plus --quantization <config.json's quant_method>: the CPU build has no Marlin override)\n")
     return head + yaml.safe_dump(cfg, sort_keys=False)
 
 
@@ -60,7 +61,14 @@ def read(artifact: Path) -> dict | None:
     return yaml.safe_load(p.read_text()) if p.is_file() else None
 
 
-def commands(cfg: dict, model: str = ".", port: int = DEFAULT_PORT) -> dict[str, str]:
+def cpu_overrides(cfg: dict, checkpoint_method: str) -> dict:
+    """Flags the CPU build needs on top of the config: it takes no Marlin method name (it checks
+    --quantization against config.json's quant_method, with no override to awq_marlin / gptq_marlin as on CUDA),
+    so the checkpoint's own method is passed; the command line wins over the config file."""
+    return {"quantization": checkpoint_method} if cfg.get("quantization", checkpoint_method) != checkpoint_method else {}
+
+
+def commands(cfg: dict, checkpoint_method: str, model: str = ".", port: int = DEFAULT_PORT) -> dict[str, str]:
     """The commands a model card prints: serve on a CUDA host, serve on the CPU build, a chat request."""
     model_q = shlex.quote(model)
     body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
@@ -68,7 +76,8 @@ def commands(cfg: dict, model: str = ".", port: int = DEFAULT_PORT) -> dict[str,
     return {
         "gpu": f"vllm serve {model_q} --config {SERVE_CONFIG} --port {port}",
         "cpu": f"VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model {model_q} "
-               f"--config {SERVE_CONFIG} --port {port} --gpu-memory-utilization 0.3",
+               f"--config {SERVE_CONFIG} --port {port} --gpu-memory-utilization 0.3"
+               + "".join(f" --{k} {v}" for k, v in cpu_overrides(cfg, checkpoint_method).items()),
         "curl": f"curl -s http://localhost:{port}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
                 f"  -d '{body}'",
     }
