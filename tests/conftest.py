@@ -12,6 +12,10 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
 def build_tokenizer(out: Path, vocab_size: int = 512):
     """A byte-level BPE tokenizer trained on a slice of the bundled calibration text (fast, offline)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -25,6 +29,7 @@ def build_tokenizer(out: Path, vocab_size: int = 512):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(text.split("\n\n"), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE  # vLLM's chat endpoint refuses a tokenizer without one
     fast.save_pretrained(out)
     return fast
 
