@@ -149,8 +149,8 @@ def _ask(srv: Server, prompts: list[list[int]], max_tokens: int, out: dict) -> d
             out["errors"].append(f"/v1/models lists {names}, not the served name {srv.name!r}")
         reply = chat(srv.url, srv.name, CHAT_PROMPT, max_tokens)
         out["chat"] = {"prompt": CHAT_PROMPT, "content": reply}
-        out["checks"]["chat_answers"] = bool(reply.strip())
-        if not reply.strip():
+        out["checks"]["chat_answers"] = bool(reply)
+        if not reply:
             out["errors"].append("the chat completion's choices[0].message.content is empty")
         out["checks"]["wrong_name_404"] = _wrong_name_refused(srv, out)
         t0 = time.perf_counter()
@@ -186,4 +186,4 @@ def _wrong_name_refused(srv: Server, out: dict) -> bool:
 def _method_from_log(text: str) -> str | None:
     """The quantization vLLM's engine runs with, from its 'Initializing ... with config: ..., quantization=X' line."""
     found = re.findall(r"quantization=([\w-]+)", text)
-    return found[-1] if found else None
+    return found[-1] if found and found[-1] != "None" else None  # None: an unquantized model

@@ -116,3 +116,27 @@ def test_quantized_artifact_serves_with_its_config(tiny_served, tmp_path):
         assert srv.name == "tiny-chat" and served_models(srv.url) == ["tiny-chat"]
         assert chat(srv.url, "tiny-chat", "Hello", max_tokens=8)
     assert "quantization=awq" in (tmp_path / "server.log").read_text()
+
+
+@pytest.mark.vllm
+def test_smoke_goes_through_the_server(tiny_llama):
+    """The eval's smoke stage on a 16-bit directory (no serve config: served as the directory's name): every
+    server check, greedy completions from token ids, and the reference loaded only after the server is gone."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eval.smoke import smoke
+
+    seen = {}
+
+    def reference():
+        seen["servers_alive"] = _api_servers()
+        return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype="float32")
+
+    before = _api_servers()
+    res = smoke(tiny_llama, reference, AutoTokenizer.from_pretrained(tiny_llama), max_tokens=8, min_agreement=0.9)
+    assert res["passed"], res["errors"]
+    assert res["served_name"] == tiny_llama.name and res["method"] is None
+    assert set(res["checks"]) == {"loaded", "models_lists_served_name", "chat_answers", "wrong_name_404", "method",
+                                  "not_degenerate", "agreement"}
+    assert all(len(x["completion"]) for x in res["samples"]) and res["token_agreement"] >= 0.9
+    assert seen["servers_alive"] <= before  # vLLM had exited before the reference loaded
