@@ -92,16 +92,17 @@ def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str
     must answer, a wrong model name must get the 404 whose message names the right one, and greedy completions
     of the prompts' token ids feed the checks above. `reference()` (the unquantized model, for the agreement
     check) is called only once the server has exited.
-    dtype: what vLLM computes in, the artifact's 16-bit dtype (a bfloat16-only model refuses float16); used
-    for a directory without a serve config (another tool's), whose served name is the directory's name.
+    dtype: what vLLM computes in, the artifact's 16-bit dtype (a bfloat16-only model refuses float16); it equals
+    the serve config's for our artifacts. A directory without a serve config (another tool's) is served under
+    its directory's name.
     """
     artifact = Path(artifact)
     qcfg = json.loads((artifact / "config.json").read_text()).get("quantization_config", {})
     expected = qcfg.get("quant_method")
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     out: dict = {"passed": False, "expected_method": expected, "dtype": dtype, "errors": [], "checks": {}}
-    extra = {} if serve_config.read(artifact) else {"served-model-name": artifact.name, "dtype": dtype,
-                                                     "max-model-len": 512}
+    extra = {"dtype": dtype} if serve_config.read(artifact) else {"served-model-name": artifact.name,
+                                                                   "dtype": dtype, "max-model-len": 512}
     with tempfile.TemporaryDirectory(prefix="smoke-") as work:
         log = Path(work) / "server.log"
         try:

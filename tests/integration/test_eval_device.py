@@ -170,11 +170,17 @@ def test_vllm_asked_for_the_artifacts_dtype(evaluated, monkeypatch, tmp_path):
     (art / "manifest.json").write_text(json.dumps(m))
     asked = {}
 
-    def fake_run(model_dir, token_ids, **kw):
-        asked.update(kw)
-        raise smoke_mod.VllmError("stop here")
+    class FakeServer:
+        def __init__(self, model_dir, extra=None, **kw):
+            asked.update(extra or {})
 
-    monkeypatch.setattr(smoke_mod, "run_vllm", fake_run)
+        def __enter__(self):
+            raise smoke_mod.VllmError("stop here")
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(smoke_mod, "Server", FakeServer)
     monkeypatch.setattr(refcache, "cache_dir", lambda: tmp_path)
     eopts = EvalOptions(perplexity=dict(dataset="wikitext2", seq_len=128, max_windows=2))
     r = report.evaluate(art, None, eopts)
