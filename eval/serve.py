@@ -195,6 +195,10 @@ def chat(url: str, model: str, content: str, max_tokens: int = 32) -> str:
     return ans["choices"][0]["message"]["content"] or ""
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m eval.serve", description=__doc__.split("\n")[0])
     ap.add_argument("artifact", type=Path)
@@ -204,6 +208,10 @@ def main(argv: list[str] | None = None) -> None:
     if not (a.artifact / "config.json").is_file():
         sys.exit(f"{a.artifact} is not a model directory (no config.json); run `make quantize RECIPE=<name>` first")
     server = Server(a.artifact, port=a.port, host=a.host, log=None, timeout=900)
+    # Ctrl-C, and a supervisor's SIGTERM, stop the server and its workers (a shell that starts this in the
+    # background hands it SIGINT ignored, which would leave Ctrl-C to nobody)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     try:
         with server:
             print(f"\nserving {a.artifact} as model {server.name!r} at {server.url}/v1  (Ctrl-C stops it)\n"
