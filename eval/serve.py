@@ -47,7 +47,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def server_command(model_dir: Path, port: int, host: str = "127.0.0.1", extra: dict | None = None,
-                   eager: bool = True) -> list[str]:
+                   eager: bool | None = None) -> list[str]:
     """The api_server command line: the artifact's vllm-serve.yaml when it has one, then `extra` flags
     (the command line wins over the config file in vLLM's parser)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
@@ -63,8 +63,10 @@ def server_command(model_dir: Path, port: int, host: str = "127.0.0.1", extra: d
                 flags.setdefault(key, value)
     for key, value in flags.items():
         cmd += [f"--{key}", str(value)]
-    if eager:
-        cmd.append("--enforce-eager")  # no graph capture / torch.compile: start-up in ~20 s instead of ~70 s
+    if eager if eager is not None else not _cuda_build():
+        # no graph capture / torch.compile: on the CPU build start-up takes ~20 s instead of ~70 s; on CUDA,
+        # serving and benchmarks keep CUDA graphs unless asked
+        cmd.append("--enforce-eager")
     return cmd + ["--host", host, "--port", str(port), "--seed", "0"]
 
 
@@ -73,11 +75,12 @@ class Server:
 
     extra: flags on top of the artifact's config (e.g. {"served-model-name": "x-fp16", "dtype": "float16"} for a
     directory without one). port None: a free one (retried if taken meanwhile). log None: the child's output
-    goes to this process's stdout/stderr (make serve), else to that file.
+    goes to this process's stdout/stderr (make serve), else to that file. eager None: --enforce-eager on the CPU
+    build only.
     """
 
     def __init__(self, model_dir: Path, extra: dict | None = None, port: int | None = None,
-                 host: str = "127.0.0.1", log: Path | None = None, timeout: float = 600, eager: bool = True):
+                 host: str = "127.0.0.1", log: Path | None = None, timeout: float = 600, eager: bool | None = None):
         self.model_dir, self.extra, self.host = Path(model_dir), dict(extra or {}), host
         self.fixed_port, self.log_path, self.timeout, self.eager = port, log, timeout, eager
         cfg = serve_config.read(self.model_dir) or {}

@@ -106,7 +106,7 @@ def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str
     with tempfile.TemporaryDirectory(prefix="smoke-") as work:
         log = Path(work) / "server.log"
         try:
-            with Server(artifact, extra, log=log, timeout=timeout) as srv:
+            with Server(artifact, extra, log=log, timeout=timeout, eager=True) as srv:  # start-up over speed
                 out["checks"]["loaded"] = True
                 out.update(served_name=srv.name, load_s=srv.load_s)
                 res = _ask(srv, prompts, max_tokens, out)
