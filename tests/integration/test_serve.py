@@ -140,3 +140,26 @@ def test_smoke_goes_through_the_server(tiny_llama):
                                   "not_degenerate", "agreement"}
     assert all(len(x["completion"]) for x in res["samples"]) and res["token_agreement"] >= 0.9
     assert seen["servers_alive"] <= before  # vLLM had exited before the reference loaded
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_bench_serve_end_to_end(tiny_served):
+    """make bench-serve on a tiny artifact, one level, 4 short requests: vLLM's benchmark measures the FP16 side;
+    the quantized side is measured too, or, where the CPU build has no 4-bit kernel, fails with that cause."""
+    from eval import bench_serve
+
+    before = _api_servers()
+    r = bench_serve.bench(tiny_served, 4, 16, 4, [2], timeout=400)
+    fp = r["fp16"]["levels"][2]
+    assert fp["completed"] == 4 and fp["failed"] == 0 and fp["output_throughput"] > 0 and fp["p95_ttft_ms"] > 0
+    assert r["fp16"]["served_name"] == "tiny-chat-fp16"
+    q = r["quantized"]["levels"][2]
+    if serve.int4_kernel_missing():
+        assert "cpu_gemm_wna16" in q["error"]
+    else:
+        assert q["completed"] == 4 and q["output_throughput"] > 0
+    stem = tiny_served.parent / "tiny-serve-bench-serve"
+    assert "| 2 | fp16 `tiny-chat-fp16` |" in stem.with_suffix(".md").read_text()
+    assert stem.with_suffix(".png").is_file() and json.loads(stem.with_suffix(".json").read_text())["fp16"]
+    assert _api_servers() <= before
