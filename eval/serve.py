@@ -119,6 +119,7 @@ class Server:
         log = self.log_path or work / "server.log"
         out = None if self.log_path is None and sys.stdout.isatty() else open(log, "ab")
         self._log_file = log if out is not None else None
+        start = log.stat().st_size if out is not None else 0  # this attempt's lines begin here
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, env=vllm_env(work), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
                                      if out is not None else None, start_new_session=True)
@@ -126,7 +127,7 @@ class Server:
             out.close()
         while time.perf_counter() - t0 < self.timeout:
             if self.proc.poll() is not None:
-                taken = "Address already in use" in self.log_text() or "address already in use" in self.log_text()
+                taken = out is not None and b"address already in use" in log.read_bytes()[start:].lower()
                 if taken and not self.fixed_port:
                     self.proc = None
                     return False
