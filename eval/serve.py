@@ -233,6 +233,11 @@ if __name__ == "__main__":
     main()
 
 
+INT4_MISSING = ("vLLM's CPU build on this processor (no AVX-512: its AVX2 library is loaded) has no 4-bit kernel "
+                "(torch.ops._C.cpu_gemm_wna16): 4-bit artifacts load but fail on their first request; serve them "
+                "on a CUDA host or an AVX-512 CPU")
+
+
 @functools.lru_cache(maxsize=1)
 def int4_kernel_missing() -> str | None:
     """Why vLLM on this host cannot run a 4-bit linear, or None. The CPU build's AVX2 library (processors
@@ -245,5 +250,4 @@ def int4_kernel_missing() -> str | None:
         r = subprocess.run([sys.executable, "-c", probe], env=vllm_env(Path(work)), capture_output=True, text=True)
     if r.stdout.strip().endswith("True"):
         return None
-    return ("vLLM's CPU build on this processor (no AVX-512: its AVX2 library is loaded) has no 4-bit kernel "
-            "(torch.ops._C.cpu_gemm_wna16): 4-bit artifacts load but fail on their first request")
+    return INT4_MISSING

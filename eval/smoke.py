@@ -27,7 +27,7 @@ import httpx
 
 from quantize import serve_config
 
-from .serve import Server, ServeError, chat, post, served_models
+from .serve import INT4_MISSING, Server, ServeError, chat, post, served_models
 from .vllm_run import VllmError, kernels_from_log, root_cause
 
 PROMPTS = (
@@ -122,6 +122,8 @@ def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str
         out["errors"].append(f"vLLM loaded quantization {out['method']!r}, the artifact declares {expected!r}")
     if res is None:  # a request failed: its reason is in errors, with the server's own lines
         out["errors"].append(root_cause(text))
+        if "cpu_gemm_wna16" in text:
+            out["errors"].append(INT4_MISSING)
         return out
     out["tokens_per_s"] = round(sum(map(len, res["generations"])) / max(res["generate_s"], 1e-9), 2)
     bad = [(i, why) for i, (g, lp) in enumerate(zip(res["generations"], res["gen_logprobs"]))
