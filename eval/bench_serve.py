@@ -25,7 +25,7 @@ from pathlib import Path
 from quantize import serve_config, source
 from quantize.export import MANIFEST
 
-from .serve import ROOT, Server
+from .serve import INT4_MISSING, ROOT, Server
 from .vllm_run import VllmError, root_cause, vllm_env
 
 METRICS = (("output_throughput", "output tok/s"), ("request_throughput", "req/s"),
@@ -58,8 +58,9 @@ def run_side(model_dir: Path, extra: dict, levels: list[int], n: int, input_len:
                                       env=vllm_env(work), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
                 res = json.loads((work / name).read_text()) if (work / name).is_file() else None
                 if proc.returncode or res is None or not res.get("completed"):
-                    out["levels"][c] = {"error": root_cause(proc.stdout + proc.stderr + (work / f"{label}-server.log")
-                                                            .read_text(errors="replace"))}
+                    log = proc.stdout + proc.stderr + (work / f"{label}-server.log").read_text(errors="replace")
+                    hint = f"\n{INT4_MISSING}" if "cpu_gemm_wna16" in log else ""
+                    out["levels"][c] = {"error": root_cause(log) + hint}
                     break  # the server is broken: further levels would fail the same way
                 out["levels"][c] = {k: res.get(k) for k in (*[m for m, _ in METRICS], "completed", "failed",
                                                            "duration", "total_output_tokens")}
@@ -127,7 +128,7 @@ def plot(r: dict, path: Path) -> None:
 def bench(artifact: Path, n: int, input_len: int, output_len: int, levels: list[int] | None,
           timeout: float = 900) -> dict:
     """Both sides at every level -> the report (also written next to the artifact as .json, .md, .png)."""
-    artifact = Path(artifact).resolve()
+    artifact = Path(artifact).absolute()  # a linked artifact's report stays beside the link
     m = json.loads((artifact / MANIFEST).read_text())
     cfg = serve_config.read(artifact)
     if cfg is None:
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     r = bench(a.artifact, a.num_prompts, a.input_len, a.output_len, a.concurrency)
     print(render_markdown(r))
-    stem = Path(a.artifact).resolve().parent / f"{Path(a.artifact).resolve().name}-bench-serve"
+    stem = Path(a.artifact).absolute().parent / f"{Path(a.artifact).absolute().name}-bench-serve"
     print(f"wrote {stem}.json, {stem}.md, {stem}.png")
     failed = "error" in r["quantized"] or "error" in r["fp16"] or any(
         "error" in f for s in ("quantized", "fp16") for f in r[s]["levels"].values())
