@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 RECIPE ?= smollm2-awq-g64
 PYTEST_ARGS ?=
 
-.PHONY: venv quantize eval compare register registry test test-all recipes clean-artifacts
+.PHONY: venv quantize eval serve bench-serve compare register registry test test-all recipes clean-artifacts
 
 venv: $(STAMP)
 
@@ -31,6 +31,21 @@ quantize: $(STAMP)
 # (make quantize already runs it unless the recipe sets eval.enabled: false). Exit 3 when a gate fails.
 eval: $(STAMP)
 	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m eval $(RECIPE)
+
+# make serve RECIPE=name [PORT=8000]: vLLM's OpenAI-compatible server on artifacts/<name>/ with its
+# vllm-serve.yaml (served name, dtype, max model length, tensor-parallel size, quantization); prints the URL and
+# the served name; Ctrl-C stops it and its workers.
+PORT ?= 8000
+serve: $(STAMP)
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m eval.serve artifacts/$(RECIPE) --port $(PORT)
+
+# make bench-serve RECIPE=name [PROMPTS=32] [INPUT_LEN=128] [OUTPUT_LEN=32] [CONCURRENCY="1 8 32"]: vLLM's serving
+# benchmark on the artifact and on its FP16 reference at the recipe's serve.concurrency levels ->
+# artifacts/<name>-bench-serve.{json,md,png}. Exit 3 when either side failed (the reason is in the report).
+bench-serve: $(STAMP)
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m eval.bench_serve artifacts/$(RECIPE) \
+		$(if $(PROMPTS),--num-prompts $(PROMPTS)) $(if $(INPUT_LEN),--input-len $(INPUT_LEN)) \
+		$(if $(OUTPUT_LEN),--output-len $(OUTPUT_LEN)) $(if $(CONCURRENCY),--concurrency $(CONCURRENCY))
 
 # make compare RECIPES="smollm2-awq-g32 smollm2-awq-g64" (or a sweep recipe: RECIPES=smollm2-awq-sweep) [NAME=x]
 # [FORCE=1] [EVAL=0]: one model load, one calibration and one layer-by-layer pass for all variants; each is

@@ -275,6 +275,10 @@ def render_markdown(r: dict) -> str:
     else:
         lines += [f"Result: **{'passed' if s['passed'] else 'FAILED'}**; checks: "
                   + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in s["checks"].items())]
+        if s.get("served_name"):
+            lines += ["", f"Served by vLLM's OpenAI-compatible server as `{s['served_name']}` (start-up {s.get('load_s')} s); "
+                      f"chat answer: {json.dumps((s.get('chat') or {}).get('content'))}; a wrong model name: "
+                      f"{s.get('wrong_name', 'not tried')}"]
         if s["checks"].get("loaded"):
             lines += [f"", f"Method `{s.get('method')}` (artifact declares `{s['expected_method']}`); kernels: "
                       f"{', '.join(s.get('kernels') or ['not logged'])}; load {s.get('load_s')} s; "

@@ -1,6 +1,9 @@
-"""vLLM smoke-load: the artifact loads, generates non-degenerate text, and agrees with the FP16 model.
+"""vLLM smoke-load through the OpenAI-compatible server: the artifact serves, generates non-degenerate text,
+and agrees with the FP16 model.
 
 Checks (each recorded in the report, any failure fails the smoke test):
+(s) the server starts on the artifact's vllm-serve.yaml; /v1/models lists the served name; a chat completion
+    answers with non-empty content; a wrong model name gets vLLM's 404 and our message names the right one;
 (a) vLLM loaded it with the quantization method the artifact declares (and logs which kernel it chose);
 (b) greedy output is not degenerate (no empty output, no single token repeated over most of it, finite logprobs);
 (c) teacher-forced agreement: feeding the prompt plus vLLM's greedy tokens to the FP16 model, its own top-1
@@ -12,13 +15,20 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import platform
+import re
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from .vllm_run import VllmError, run_vllm
+import httpx
+
+from quantize import serve_config
+
+from .serve import INT4_MISSING, Server, ServeError, chat, int4_kernel_missing, post, served_models
+from .vllm_run import VllmError, kernels_from_log, root_cause
 
 PROMPTS = (
     "The capital of France is",
@@ -28,6 +38,8 @@ PROMPTS = (
     "In 1969, the first humans to walk on the Moon were",
     "A haiku about autumn:\n",
 )
+
+CHAT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 # what vLLM may report for each quant_method (CPU and CUDA builds pick different names)
 METHOD_NAMES = {
@@ -66,49 +78,58 @@ def teacher_forced_agreement(reference, prompts: list[list[int]], generations: l
 
 
 def vllm_unavailable() -> str | None:
-    """Why vLLM cannot serve a 4-bit artifact here (the smoke stage is then skipped with this reason), or None.
-
-    vLLM's CPU build picks its kernel library by the CPU's instruction set: only the AVX-512 libraries hold the
-    W4A16 GEMM (cpu_gemm_wna16) that AWQ, GPTQ and compressed-tensors weights need, so on an AVX2-only x86 CPU
-    every 4-bit load fails inside vLLM's workers. Told here, before a 40 s start that can only fail.
-    """
+    """Why vLLM cannot serve a 4-bit artifact here (the smoke stage is then skipped with this reason), or None:
+    not installed, or a CPU build whose kernel library for this processor lacks the 4-bit GEMM (AVX2-only
+    x86: see `serve.int4_kernel_missing`). Told before a 40 s start that can only fail."""
     if importlib.util.find_spec("vllm") is None:
         return "vllm not importable"
-    if not torch.cuda.is_available() and platform.machine().lower() in ("x86_64", "amd64") \
-            and not torch.cpu._is_avx512_supported():
-        return ("vLLM's CPU build runs 4-bit weights only on AVX-512 CPUs (its AVX2 kernels lack cpu_gemm_wna16) "
-                "and this CPU has AVX2 only")
-    return None
+    return int4_kernel_missing()
 
 
 def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str = "float16", max_tokens: int = 32,
           min_agreement: float = 0.6, timeout: float = 600) -> dict:
-    """-> {passed, checks, errors, load_s, tokens_per_s, method, kernels, device, samples}; never raises on a
-    vLLM failure.
+    """-> {passed, checks, errors, served_name, load_s, tokens_per_s, method, kernels, samples, chat}; never raises
+    on a vLLM failure.
 
-    vLLM runs first, in a child process, on a device this process holds nothing on; `reference()` (the
-    unquantized model, for the agreement check) is called only once vLLM has exited.
-    dtype: what vLLM computes in, the artifact's 16-bit dtype (a bfloat16-only model refuses float16).
+    Goes through what users hit: vLLM's OpenAI-compatible server on the artifact's vllm-serve.yaml, in a child
+    process on a device this process holds nothing on. `/v1/models` must list the served name, a chat completion
+    must answer, a wrong model name must get the 404 whose message names the right one, and greedy completions
+    of the prompts' token ids feed the checks above. `reference()` (the unquantized model, for the agreement
+    check) is called only once the server has exited.
+    dtype: what vLLM computes in, the artifact's 16-bit dtype (a bfloat16-only model refuses float16); it equals
+    the serve config's for our artifacts. A directory without a serve config (another tool's) is served under
+    its directory's name.
     """
-    qcfg = json.loads((Path(artifact) / "config.json").read_text()).get("quantization_config", {})
+    artifact = Path(artifact)
+    qcfg = json.loads((artifact / "config.json").read_text()).get("quantization_config", {})
     expected = qcfg.get("quant_method")
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     out: dict = {"passed": False, "expected_method": expected, "dtype": dtype, "errors": [], "checks": {}}
-    try:
-        res = run_vllm(Path(artifact), prompts, top_k=1, max_tokens=max_tokens, timeout=timeout, dtype=dtype)
-    except VllmError as e:
-        out["errors"].append(str(e))
-        out["checks"]["loaded"] = False
-        return out
-    out["checks"]["loaded"] = True
-    method = res.get("quantization")
-    out.update(method=method, kernels=res.get("kernels", []), device=res.get("device"),
-               load_s=round(res["load_s"], 2),
-               tokens_per_s=round(res["generated_tokens"] / max(res["generate_s"], 1e-9), 2))
-    ok_method = method in METHOD_NAMES.get(expected, {expected})
+    extra = {"dtype": dtype} if serve_config.read(artifact) else {"served-model-name": artifact.name,
+                                                                   "dtype": dtype, "max-model-len": 512}
+    with tempfile.TemporaryDirectory(prefix="smoke-") as work:
+        log = Path(work) / "server.log"
+        try:
+            with Server(artifact, extra, log=log, timeout=timeout, eager=True) as srv:  # start-up over speed
+                out["checks"]["loaded"] = True
+                out.update(served_name=srv.name, load_s=srv.load_s)
+                res = _ask(srv, prompts, max_tokens, out)
+        except VllmError as e:
+            out["errors"].append(str(e))
+            out["checks"]["loaded"] = False
+            return out
+        text = log.read_text(errors="replace")
+    out.update(method=_method_from_log(text), kernels=kernels_from_log(text))
+    ok_method = out["method"] in METHOD_NAMES.get(expected, {expected})
     out["checks"]["method"] = ok_method
     if not ok_method:
-        out["errors"].append(f"vLLM loaded quantization {method!r}, the artifact declares {expected!r}")
+        out["errors"].append(f"vLLM loaded quantization {out['method']!r}, the artifact declares {expected!r}")
+    if res is None:  # a request failed: its reason is in errors, with the server's own lines
+        out["errors"].append(root_cause(text))
+        if "cpu_gemm_wna16" in text:
+            out["errors"].append(INT4_MISSING)
+        return out
+    out["tokens_per_s"] = round(sum(map(len, res["generations"])) / max(res["generate_s"], 1e-9), 2)
     bad = [(i, why) for i, (g, lp) in enumerate(zip(res["generations"], res["gen_logprobs"]))
            if (why := _degenerate(g, lp))]
     out["checks"]["not_degenerate"] = not bad
@@ -123,3 +144,53 @@ def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str
     out["samples"] = [{"prompt": p, "completion": tokenizer.decode(g)} for p, g in zip(PROMPTS, res["generations"])]
     out["passed"] = all(out["checks"].values())
     return out
+
+
+def _ask(srv: Server, prompts: list[list[int]], max_tokens: int, out: dict) -> dict | None:
+    """The server-side checks (recorded into out["checks"]) and greedy completions of `prompts`
+    -> {generations, gen_logprobs, generate_s}; None once a request fails (the reason in out["errors"])."""
+    try:
+        names = served_models(srv.url)
+        out["checks"]["models_lists_served_name"] = srv.name in names
+        if srv.name not in names:
+            out["errors"].append(f"/v1/models lists {names}, not the served name {srv.name!r}")
+        reply = chat(srv.url, srv.name, CHAT_PROMPT, max_tokens)
+        out["chat"] = {"prompt": CHAT_PROMPT, "content": reply}
+        out["checks"]["chat_answers"] = bool(reply)
+        if not reply:
+            out["errors"].append("the chat completion's choices[0].message.content is empty")
+        out["checks"]["wrong_name_404"] = _wrong_name_refused(srv, out)
+        t0 = time.perf_counter()
+        ans = post(srv.url, "/v1/completions", {"model": srv.name, "prompt": prompts, "max_tokens": max_tokens,
+                                                "temperature": 0, "logprobs": 1, "return_token_ids": True})
+        generate_s = time.perf_counter() - t0
+    except (ServeError, httpx.HTTPError) as e:
+        out["errors"].append(f"{type(e).__name__}: {e}")
+        out["checks"]["requests"] = False
+        return None
+    choices = sorted(ans["choices"], key=lambda c: c["index"])
+    return {"generations": [list(c.get("token_ids") or []) for c in choices],
+            "gen_logprobs": [[{"chosen": float("nan") if lp is None else lp} for lp in (c.get("logprobs") or {}).get("token_logprobs") or []]
+                             for c in choices],
+            "generate_s": generate_s}
+
+
+def _wrong_name_refused(srv: Server, out: dict) -> bool:
+    """A request for a model the server does not serve gets vLLM's 404, and our message names the right one."""
+    wrong = f"{srv.name}-not-served"
+    try:
+        chat(srv.url, wrong, CHAT_PROMPT, 1)
+    except ServeError as e:
+        ok = "404" in str(e) and repr(srv.name) in str(e)
+        out["wrong_name"] = str(e)
+        if not ok:
+            out["errors"].append(f"a request for {wrong!r} was refused without naming {srv.name!r}: {e}")
+        return ok
+    out["errors"].append(f"the server answered a request for model {wrong!r}, which it does not serve")
+    return False
+
+
+def _method_from_log(text: str) -> str | None:
+    """The quantization vLLM's engine runs with, from its 'Initializing ... with config: ..., quantization=X' line."""
+    found = re.findall(r"quantization=([\w-]+)", text)
+    return found[-1] if found and found[-1] != "None" else None  # None: an unquantized model

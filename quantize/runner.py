@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import calib, export, integrity, modelcard, source, warmup
+from . import calib, export, integrity, modelcard, serve_config, source, warmup
 from .arch import Arch, arch_for
 from .capture import configure_allocator, run_shared
 from .checkpoint import Checkpointer, fingerprint
@@ -289,6 +289,8 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
         copied = export.write_model_dir(tmp, model, tensors, qcfg, run.dtype, run.src.path,
                                         source.TOKENIZER_FILES, recipe.to_dict(), recipe.max_shard_size)
         (tmp / "preflight.json").write_text(the_plan.to_json() + "\n")
+        serve = serve_config.build(recipe, the_plan)
+        (tmp / serve_config.SERVE_CONFIG).write_text(serve_config.render(serve))
         extras = {
             "artifact": recipe.name,
             "format": {"name": recipe.out_format, "quant_method": qcfg["quant_method"]},
@@ -303,6 +305,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
             "notes": _notes(run.tied, run.storage_dtype, run.dtype) + run.numerics,
             "skipped_linears": the_plan.skipped,
             "tensor_parallel_sizes": the_plan.tp_sizes,
+            "serve": serve,
             f"{recipe.method}_stats": {str(k): v for k, v in job.stats.items()},
             "shared_pass": run.shared,
             "device": str(run.device), "compute_dtype": str(run.compute_dtype).removeprefix("torch."),

