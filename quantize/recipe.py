@@ -72,6 +72,15 @@ class AwqOptions(_Strict):
     # attention groups, whose loss is not unimodal in α: +0.07 ppl on SmolLM2, see docs/BENCHMARKS.md)
     coarse_step: int = Field(1, gt=0)
     grid_batch: int = Field(4, gt=0)  # candidates per matmul in single-linear groups (memory knob, exact)
+    # clip candidates: "symmetric" = AutoAWQ's ±max|w| shrink; "per_side" adds shrinking max and min on their
+    # own (zero-point grids; a symmetric grid depends on max|w| alone, so there both are the same search)
+    clip_search: Literal["symmetric", "per_side"] = "symmetric"
+    # least-squares refits of each group's scale to its codes on the group output error (0 = off; a group
+    # keeps a refit scale only where it lowers that error)
+    refit_iters: int = Field(0, ge=0)
+    # how codes are chosen on the clip grid: round to nearest, or GPTQ's error feedback through the scaled
+    # inputs' Hessian (settings from the `gptq:` section; static groups, so the format is unchanged)
+    rounding: Literal["rtn", "gptq"] = "rtn"
 
     @model_validator(mode="after")
     def _coarse_fits(self) -> "AwqOptions":

@@ -168,3 +168,13 @@ def test_awq_coarse_step_must_be_below_n_grid(tmp_path):
     p.write_text("name: bad\nmodel: some/model\nmethod: awq\nawq: {n_grid: 8, coarse_step: 8}\n")
     with pytest.raises(RecipeError, match=r"`awq`.*coarse_step 8 must be below awq.n_grid 8"):
         load_recipe(p)
+
+
+def test_awq_rounding_options_validate(tmp_path):
+    """clip_search, refit_iters and rounding are recipe keys with checked values."""
+    r = Recipe(name="x", **BASE, awq=dict(clip_search="per_side", refit_iters=2, rounding="gptq"))
+    assert (r.awq.clip_search, r.awq.refit_iters, r.awq.rounding) == ("per_side", 2, "gptq")
+    assert Recipe(**r.to_dict()) == r
+    assert "awq.rounding" in _err(tmp_path, method="awq", awq={"rounding": "nearest"})
+    assert "awq.refit_iters" in _err(tmp_path, method="awq", awq={"refit_iters": -1})
+    assert "awq.clip_search" in _err(tmp_path, method="awq", awq={"clip_search": "asym"})
