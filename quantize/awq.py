@@ -182,14 +182,19 @@ def search_scales(
     return ScaleSearch(_duo_scales(x_mean, w_mean, best_i / n_grid, duo_scaling), best_i / n_grid, losses)
 
 
-def apply_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor) -> None:
-    """Fold s into the model: prev's output / s (norm weight or linear rows), each linear's input columns · s."""
+def apply_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor, norm_offset: float = 0.0) -> None:
+    """Fold s into the model: prev's output / s (norm weight or linear rows), each linear's input columns · s.
+
+    A norm computes x̂ · (norm_offset + weight) (+ bias): its weight becomes (norm_offset + weight) / s - norm_offset,
+    computed in fp32.
+    """
     s = s.to(prev.weight.device)
     with torch.no_grad():
         if isinstance(prev, nn.Linear):
             prev.weight.div_(s.view(-1, 1).to(prev.weight.dtype))  # [out_prev, in_prev] rows
-        else:  # a norm: y = norm(x) * weight (+ bias)
-            prev.weight.div_(s.to(prev.weight.dtype))
+        else:  # a norm: y = norm(x) * (offset + weight) (+ bias)
+            w = (prev.weight.float() + norm_offset) / s.float() - norm_offset
+            prev.weight.copy_(w.to(prev.weight.dtype))
         if getattr(prev, "bias", None) is not None:
             prev.bias.div_(s.to(prev.bias.dtype))
         for fc in linears:

@@ -237,7 +237,8 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
                          "n_evaluated": len(r.losses), "seconds": round(_clock(device) - t, 4)}
         chosen.append((g, r.scales))
     for g, s in chosen:  # apply after searching, as all searches assume the unmodified layer
-        awq.apply_scales(layer.get_submodule(g.prev), [layer.get_submodule(n) for n in g.linears], s)
+        awq.apply_scales(layer.get_submodule(g.prev), [layer.get_submodule(n) for n in g.linears], s,
+                         arch.norm_offset)
         data.features[g.linears[0]].div_(s.to(data.features[g.linears[0]].dtype))
     t1 = _clock(device)
     grams: dict[str, torch.Tensor] = {}

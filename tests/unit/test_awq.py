@@ -31,6 +31,26 @@ def test_apply_scales_preserves_function():
     assert torch.allclose(nxt(prev(x[:, :32])), y, atol=1e-5)
 
 
+class _OffsetNorm(nn.Module):
+    """Gemma's RMSNorm: x̂ · (1 + weight)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(n) - 0.5)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
+
+
+def test_apply_scales_into_an_offset_norm_preserves_function():
+    torch.manual_seed(0)
+    norm, fc = _OffsetNorm(64), nn.Linear(64, 16, bias=False)
+    x = torch.randn(10, 64)
+    before = fc(norm(x))
+    awq.apply_scales(norm, [fc], torch.rand(64) + 0.1, norm_offset=1.0)
+    assert torch.allclose(fc(norm(x)), before, atol=1e-5)
+
+
 def test_linear_losses_gram_and_direct_equal_token_mse():
     x = _x()
     fc = nn.Linear(64, 16, bias=False)
