@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--max-windows", type=int, default=None)
     ap.add_argument("--split", type=int, default=None, help="also report windows [0, N) and [N, max)")
+    ap.add_argument("--skip-windows", type=int, default=0, help="score windows [N, max-windows) only")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -43,7 +44,7 @@ def main() -> None:
     tok = source.load_tokenizer(src)
     proto = Protocol(dataset=a.dataset, seq_len=a.seq_len, max_windows=a.max_windows)
     text, where = load_eval_text(a.dataset)
-    wins = windows(tok, text, proto)
+    wins = windows(tok, text, proto)[a.skip_windows :]  # [n, seq]
     rows = {}
     models = [("source (float32)", lambda: source.load_model(src, torch.float32))]
     models += [(p, lambda p=p: load_dequantized(Path(p), torch.float32)) for p in a.artifacts]
@@ -63,7 +64,7 @@ def main() -> None:
         if a.split:
             r["delta_windows"] = {k: v - base["ppl_windows"][k] for k, v in r["ppl_windows"].items()}
     out = {"date": str(date.today()), "machine": f"{platform.machine()} {platform.processor()} "
-           f"{torch.get_num_threads()} threads", "protocol": protocol_record(proto, text, where, wins), "rows": rows}
+           f"{torch.get_num_threads()} threads", "protocol": {**protocol_record(proto, text, where, wins), "skipped_windows": a.skip_windows}, "rows": rows}
     print(json.dumps(rows, indent=2))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))

@@ -12,7 +12,13 @@ Applied: W ← W · diag(s), prev ← prev / s (norm weight, or the rows of a pr
 
 Clip search, per linear: shrink each group's max |w| by (1 - i/n), i < n · max_shrink, and keep the
 shrink that minimises the group-wise output error ‖X_g W_gᵀ − X_g Q(clip(W_g))ᵀ‖², computed exactly over
-all tokens through the group Gram matrices X_gᵀX_g (AutoAWQ samples 512 tokens instead).
+all tokens through the group Gram matrices X_gᵀX_g (AutoAWQ samples 512 tokens instead). `per_side` also
+shrinks the grid's top and bottom on their own (a zero-point grid spans [min, max]). The result is a range
+per group, i.e. a grid (scale, zero); the weights themselves are not clamped.
+
+On that grid (see `refit_scales`): each group's scale may be refit by least squares to its codes on the same
+group output error, and the codes are chosen by round-to-nearest or, by the caller, with GPTQ's error
+feedback (`gptq.gptq_quantize(..., grid=...)`): AWQ decides the scales and the grid, GPTQ the rounding.
 For a group whose inspected block is the linear itself, the scale-search loss is likewise
 ‖X ΔWᵀ‖² = tr(ΔW XᵀX ΔWᵀ): no forward pass per grid point.
 

@@ -157,6 +157,7 @@ def test_awq_search_options_defaults_round_trip():
     """The cheaper-search defaults survive to_dict -> Recipe, and the exhaustive search is expressible."""
     r = Recipe(name="x", **BASE)
     assert (r.awq.search_tokens, r.awq.coarse_step, r.awq.grid_batch) == (16384, 1, 4)
+    assert (r.awq.clip_search, r.awq.refit_iters, r.awq.rounding) == ("per_side", 2, "rtn")
     assert Recipe(**r.to_dict()) == r
     exhaustive = Recipe(name="x", **BASE, awq=dict(search_tokens=None, coarse_step=4))
     again = Recipe(**exhaustive.to_dict())
