@@ -212,7 +212,7 @@ class Recipe(_Strict):
                 "zero_point true (asymmetric) is not allowed with format gptq: vLLM 0.32 accepts only sym: true "
                 "GPTQ checkpoints; set zero_point: false, or format: compressed-tensors for asymmetric weights"
             )
-        if self.method == "gptq":
+        if self.method == "gptq" or (self.method == "awq" and self.awq.rounding == "gptq"):
             b, g = self.gptq.block_size, self.q_group_size
             if g != -1 and b % g and g % b:
                 raise ValueError(f"gptq.block_size {b} and q_group_size {g}: one must divide the other")

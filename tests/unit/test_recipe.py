@@ -179,3 +179,6 @@ def test_awq_rounding_options_validate(tmp_path):
     assert "awq.rounding" in _err(tmp_path, method="awq", awq={"rounding": "nearest"})
     assert "awq.refit_iters" in _err(tmp_path, method="awq", awq={"refit_iters": -1})
     assert "awq.clip_search" in _err(tmp_path, method="awq", awq={"clip_search": "asym"})
+    # GPTQ rounding reads the gptq section: its block size must fit the groups, as for method gptq
+    assert "block_size 96" in _err(tmp_path, method="awq", awq={"rounding": "gptq"}, gptq={"block_size": 96})
+    Recipe(name="x", **BASE, gptq=dict(block_size=96))  # unused by round-to-nearest: no error
