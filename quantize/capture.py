@@ -61,27 +61,47 @@ def clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+class _Recorder(nn.Module):
+    """Stands in for decoder layer `index` while layer inputs are captured: records what the decoder stack
+    hands that layer (the hidden states for layer 0, the keyword arguments for every layer) and passes the
+    hidden states on unchanged; the last one stops the forward."""
+
+    DROP = ("past_key_values", "past_key_value", "use_cache")
+
+    def __init__(self, index: int, last: bool, sink: list):
+        super().__init__()
+        self.index, self.last, self.sink = index, last, sink
+
+    def forward(self, *args, **kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        self.sink.append((self.index, hidden, {k: v for k, v in kwargs.items() if k not in self.DROP}))
+        if self.last:
+            raise _Stop
+        return hidden
+
+
 def first_layer_inputs(
     model: nn.Module, arch: Arch, samples: torch.Tensor, device: torch.device, dtype: torch.dtype, batch_size: int
-) -> tuple[list[torch.Tensor], list[dict]]:
-    """samples: [n, seq] token ids -> per batch: layer-0 inputs [b, seq, hidden] and layer kwargs, on device."""
-    layers = decoder_layers(model, arch)
-    captured: list[tuple[torch.Tensor, dict]] = []
+) -> tuple[list[torch.Tensor], list[list[dict]]]:
+    """samples: [n, seq] token ids -> per batch the layer-0 inputs [b, seq, hidden], and per layer, per batch
+    the keyword arguments the stack calls that layer with (positions, mask), on device.
 
-    def hook(_module, args, kwargs):
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
-        captured.append((hidden, kwargs))
-        raise _Stop
+    Layers may differ in those (Gemma 3 alternates sliding-window and global attention, each with its own
+    rotary table): each layer gets its own. Where the stack hands several layers the same tensors (Llama),
+    they stay one object, so this costs no memory per layer.
+    """
+    layers = decoder_layers(model, arch)
+    captured: list[tuple[int, torch.Tensor, dict]] = []
 
     # Device copies are swapped in and the CPU originals put back: nothing is copied back to the host (moving a
     # 7B model's 1.1 GB embedding back to pageable memory cost ~1 s on an H200 host). The rotary module keeps
-    # its buffers' dtype (float32 inv_freq, as the model computes and serves its positions).
+    # its buffers' dtype (float32 inv_freq, as the model computes and serves its positions). The decoder layers
+    # are replaced by recorders for the same time: no layer computes anything here.
     swapped = [(arch.embed, _device_copy(get_module(model, arch.embed), device, dtype))]
     if arch.rotary:
         swapped.append((arch.rotary, _device_copy(get_module(model, arch.rotary), device, None)))
+    swapped += [(f"{arch.layers}.{i}", _Recorder(i, i == len(layers) - 1, captured)) for i in range(len(layers))]
     originals = [(path, _swap(model, path, copy_)) for path, copy_ in swapped]
-    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
     base = model.get_submodule(arch.layers.rsplit(".", 1)[0])  # the decoder stack (e.g. model.model)
     try:
         with torch.no_grad():
@@ -91,10 +111,11 @@ def first_layer_inputs(
                 except _Stop:
                     pass
     finally:
-        handle.remove()
-        for path, original in originals:
+        for path, original in reversed(originals):
             _swap(model, path, original)
-    return [h for h, _ in captured], [kw for _, kw in captured]
+    inputs = [h for i, h, _ in captured if i == 0]
+    per_layer = [[kw for i, _, kw in captured if i == j] for j in range(len(layers))]
+    return inputs, per_layer
 
 
 def _swap(model: nn.Module, path: str, module: nn.Module) -> nn.Module:
@@ -182,9 +203,17 @@ class NumericalError(FloatingPointError):
     """NaN/inf that upcasting cannot cure; the message names the layer and the cause."""
 
 
-def _cast(obj, dtype: torch.dtype):
-    """Floating tensors inside obj (tensor / tuple / list / dict) -> dtype; everything else unchanged."""
-    return _map(obj, lambda t: t.to(dtype) if t.is_floating_point() else t)
+def _cast(obj, dtype: torch.dtype, memo: dict | None = None):
+    """Floating tensors inside obj (tensor / tuple / list / dict) -> dtype; everything else unchanged.
+    memo: tensor id -> its cast, so a tensor held in several places is cast once and stays shared."""
+    memo = {} if memo is None else memo
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            memo[id(t)] = (t, t.to(dtype) if t.is_floating_point() else t)  # t kept: its id stays unique
+        return memo[id(t)][1]
+
+    return _map(obj, cast)
 
 
 def _finite(tensors) -> bool:
@@ -217,7 +246,7 @@ def run_shared(
     p = _SharedPass(arch, device, compute_dtype, feature_names, jobs, _Uploader(layers, device))
     start_at = 0
     if any(j.propagate != "none" for j in jobs):
-        p.inputs, p.kwargs = first_layer_inputs(model, arch, samples, device, compute_dtype, batch_size)
+        p.inputs, p.layer_kwargs = first_layer_inputs(model, arch, samples, device, compute_dtype, batch_size)
         p.chains = {n: p.inputs for n, j in enumerate(jobs) if j.propagate == "quantized"}  # by position in jobs
         if not _finite(p.inputs):
             raise NumericalError("the embeddings give NaN/inf for the calibration tokens: the checkpoint's "
@@ -360,7 +389,9 @@ class _SharedPass:
         self.arch, self.device, self.dtype, self.names, self.jobs = arch, device, dtype, feature_names, jobs
         self.uploader = uploader
         self.inputs: list[torch.Tensor] = []
-        self.kwargs: list[dict] = []
+        self.index = 0  # the layer being worked on
+        self.layer_kwargs: list[list[dict]] = []  # per layer, per batch
+        self.kwargs: list[dict] = []  # the current layer's
         self.chains: dict[int, list[torch.Tensor]] = {}
         self.notes: list[str] = []
         self.seconds = {"to_device": 0.0, "fp_forward": 0.0, "jobs": 0.0}  # summed over layers
@@ -384,7 +415,9 @@ class _SharedPass:
             self.notes.append(f"{why} in {str(self.dtype).removeprefix('torch.')}: pass continued in float32")
         self.dtype = torch.float32
         self.inputs = _cast(self.inputs, torch.float32)
-        self.kwargs = _cast(self.kwargs, torch.float32)
+        self.layer_kwargs = _cast(self.layer_kwargs, torch.float32, {})  # shared tensors stay shared
+        if self.layer_kwargs:
+            self.kwargs = self.layer_kwargs[self.index]
         self.chains = {n: _cast(c, torch.float32) for n, c in self.chains.items()}
 
     def _check_weights(self, i: int, layer: nn.Module) -> None:
@@ -413,6 +446,8 @@ class _SharedPass:
     def layer(self, i: int) -> None:
         """Get layer i's device copy, serve every job, drop the copy; advance the chains."""
         t0 = self._clock()
+        self.index = i
+        self.kwargs = self.layer_kwargs[i] if self.layer_kwargs else []
         layer = self.uploader.get(i, self.dtype)  # a device copy: the model's own layer stays where it is
         self.uploader.request(i + 1, self.dtype)
         self._check_weights(i, layer)  # on the device: a pass over the weights there is cheap

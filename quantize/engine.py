@@ -7,6 +7,7 @@ the exported artifact computes. `convert` is the set of full module names the pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from . import awq, gptq
 from .arch import Arch, active_scale_groups, layer_prefix
 from .capture import LayerData, NumericalError, feed_inputs
 from .capture import clock as _clock
-from .primitives import dequantize, quantize_for_export
+from .primitives import dequantize, quantize, quantize_for_export
 
 log = logging.getLogger(__name__)
 
@@ -155,23 +156,65 @@ def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], 
                                  coarse_step=opts.coarse_step, x_loss=x_loss, grid_batch=opts.grid_batch)
 
 
-def _clip_layer(data: LayerData, arch: Arch, local: set[str], opts, spec: awq.QSpec) -> None:
-    """Clip search and apply for every converted, clippable linear of data.layer (exact, all tokens)."""
-    feature_of = _feature_of(arch)
-    grams: dict[str, torch.Tensor] = {}
+def _clip_layer(data: LayerData, arch: Arch, local: set[str], opts, spec: awq.QSpec,
+                grams: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Clip search for every converted, clippable linear of data.layer (exact, all tokens) -> name -> (lo, hi)
+    per group. grams: feature name -> its group Gram matrices, filled in as needed."""
+    ranges = {}
     for n in [n for n in arch.linears if n in local and n not in arch.no_clip]:
-        key = feature_of[n]
-        if key not in grams:
-            grams[key] = awq.group_gram(data.features[key], spec.group)  # [n_group, g, g]
-        fc = data.layer.get_submodule(n)
         with torch.no_grad():
-            max_val = awq.search_clip(fc.weight.data, grams[key], spec, opts.clip_grid, opts.max_shrink)
-        awq.apply_clip(fc, max_val)
+            ranges[n] = awq.search_clip(data.layer.get_submodule(n).weight.data, _group_gram(data, arch, n, spec, grams),
+                                        spec, opts.clip_grid, opts.max_shrink, per_side=opts.clip_search == "per_side")
+    return ranges
+
+
+def _group_gram(data: LayerData, arch: Arch, name: str, spec: awq.QSpec, grams: dict[str, torch.Tensor]):
+    """The group Gram matrices [in // g, g, g] of linear `name`'s input (cached per shared input in grams)."""
+    key = _feature_of(arch)[name]
+    if key not in grams:
+        grams[key] = awq.group_gram(data.features[key], spec.group)  # [n_group, g, g]
+    return grams[key]
+
+
+def _awq_round(data: LayerData, arch: Arch, names: list[str], ranges: dict, grams: dict, recipe, spec: awq.QSpec,
+               scale_dtype: torch.dtype, results: dict[str, QuantResult]) -> None:
+    """Quantize the scaled linears `names` of data.layer on their clip grids: grid from the clip range, scales
+    refit by least squares (awq.refit_iters), codes by round-to-nearest or GPTQ (awq.rounding)."""
+    layer, opts, prefix = data.layer, recipe.awq, layer_prefix(arch, data.index)
+    grids = {}
+    for n in names:
+        w = layer.get_submodule(n).weight.data
+        scales, zeros = awq.clip_grid(w, *ranges.get(n, (None, None)), spec)
+        if opts.refit_iters:
+            scales = awq.refit_scales(w, _group_gram(data, arch, n, spec, grams), scales, zeros, spec,
+                                      opts.refit_iters, scale_dtype)
+        grids[n] = (scales.to(scale_dtype), zeros)
+    if opts.rounding == "rtn":
+        for n in names:
+            scales, zeros = grids[n]
+            codes = quantize(layer.get_submodule(n).weight.data, scales, zeros, spec.w_bit)
+            _store(layer, n, prefix, codes, scales, zeros, results)
+        return
+    feature_of = _feature_of(arch)
+    keys = sorted({feature_of[n] for n in names}, key=arch.linears.index)  # one Hessian per shared input
+    shared = [[n for n in names if feature_of[n] == k] for k in keys]
+    problems, cat_grids = [], []
+    for k, group in zip(keys, shared):
+        acc = gptq.HessianAccumulator(data.features[k].shape[1], data.features[k].device)
+        acc.add(data.features[k])  # the scaled input [tokens, in]
+        problems.append((torch.cat([layer.get_submodule(n).weight.data for n in group]), acc.H))
+        cat_grids.append(tuple(torch.cat([grids[n][i] for n in group]) for i in (0, 1)))
+    gspec = dataclasses.replace(gptq_spec(recipe, scale_dtype), act_order=True)  # static groups: the clip grid
+    for group, r in zip(shared, gptq.gptq_quantize_many(problems, gspec, cat_grids)):
+        rows = [layer.get_submodule(n).weight.shape[0] for n in group]
+        for n, codes, scales, zeros in zip(group, *(t.split(rows) for t in (r.codes, r.scales, r.zeros))):
+            _store(layer, n, prefix, codes.contiguous(), scales.to(scale_dtype).contiguous(), zeros.contiguous(),
+                   results)
 
 
 def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype: torch.dtype,
               results: dict[str, QuantResult]) -> dict:
-    """Search and apply AWQ scales and clips for one decoder layer, then quantize it -> search stats.
+    """Search and apply AWQ scales, search clips, then quantize the layer on those grids -> search stats.
 
     Stats: per scale group (keyed by its `prev`) the chosen ratio, its loss, the RTN loss (α = 0), how many
     ratios were evaluated and the seconds taken; under "seconds" the time of each sub-stage.
@@ -194,14 +237,16 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
                          "n_evaluated": len(r.losses), "seconds": round(_clock(device) - t, 4)}
         chosen.append((g, r.scales))
     for g, s in chosen:  # apply after searching, as all searches assume the unmodified layer
-        awq.apply_scales(layer.get_submodule(g.prev), [layer.get_submodule(n) for n in g.linears], s)
+        awq.apply_scales(layer.get_submodule(g.prev), [layer.get_submodule(n) for n in g.linears], s,
+                         arch.norm_offset)
         data.features[g.linears[0]].div_(s.to(data.features[g.linears[0]].dtype))
     t1 = _clock(device)
-    if opts.apply_clip:
-        _clip_layer(data, arch, local, opts, spec)
+    grams: dict[str, torch.Tensor] = {}
+    ranges = _clip_layer(data, arch, local, opts, spec, grams) if opts.apply_clip else {}
     t2 = _clock(device)
-    _round_to_nearest(layer, [n for n in arch.linears if n in local], spec, scale_dtype,
-                      layer_prefix(arch, data.index), results)
+    with torch.no_grad():
+        _awq_round(data, arch, [n for n in arch.linears if n in local], ranges, grams, recipe, spec, scale_dtype,
+                   results)
     t3 = _clock(device)
     stats["seconds"] = {"scale_search": round(t1 - t0, 4), "clip": round(t2 - t1, 4), "quantize": round(t3 - t2, 4)}
     return stats

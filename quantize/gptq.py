@@ -231,7 +231,9 @@ class _Problem:
     dead: int
 
 
-def _prepare(W: torch.Tensor, H: torch.Tensor, spec: GptqSpec) -> _Problem:
+def _prepare(W: torch.Tensor, H: torch.Tensor, spec: GptqSpec, grid: tuple | None = None) -> _Problem:
+    if grid is not None and not spec.act_order:
+        raise ValueError("a given grid is static group parameters: it needs act_order (static groups)")
     dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
     W = W.to(dtype, copy=True)
     H = H.to(dtype, copy=True)
@@ -243,7 +245,11 @@ def _prepare(W: torch.Tensor, H: torch.Tensor, spec: GptqSpec) -> _Problem:
     H[dead, dead] = 1
     W[:, dead] = 0
 
-    if spec.act_order:  # static groups: parameters from the original weights, before any update
+    if grid is not None:  # static groups, parameters chosen by the caller (e.g. an AWQ clip search)
+        scales, zeros = grid[0].to(W.device, spec.scale_dtype).float(), grid[1].to(W.device, torch.int32)
+        assert scales.shape == (out_f, in_f // g)
+        perm = torch.argsort(torch.diag(H), descending=True)
+    elif spec.act_order:  # static groups: parameters from the original weights, before any update
         scales, zeros = _static_qparams(W, g, spec)
         perm = torch.argsort(torch.diag(H), descending=True)
     else:  # filled in during the sweep, from the updated weights
@@ -268,13 +274,15 @@ def _solve(p: _Problem, spec: GptqSpec, first: tuple | None = None) -> GptqResul
     return GptqResult(codes[:, inv].contiguous(), p.scales, p.zeros, lam, p.dead, row_loss, kernel)
 
 
-def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: GptqSpec) -> GptqResult:
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: GptqSpec, grid: tuple | None = None) -> GptqResult:
     """W: [out, in], H: [in, in] -> codes [out, in], scales/zeros [out, in // g] (or [out, 1] for g = -1).
 
+    grid: (scales, zeros) [out, in // g] to round on instead of the weights' own min/max (static groups:
+    spec.act_order must be set); the scales are rounded to spec.scale_dtype. Only the rounding is GPTQ's then.
     Rows are independent given H: quantizing a row-concatenation of linears that share H gives exactly
     the codes of separate calls (one sweep instead of several).
     """
-    return _solve(_prepare(W, H, spec), spec)
+    return _solve(_prepare(W, H, spec, grid), spec)
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -289,19 +297,21 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     return _SIDE_STREAMS[device]
 
 
-def gptq_quantize_many(problems: list[tuple[torch.Tensor, torch.Tensor]], spec: GptqSpec) -> list[GptqResult]:
+def gptq_quantize_many(problems: list[tuple[torch.Tensor, torch.Tensor]], spec: GptqSpec,
+                       grids: list[tuple | None] | None = None) -> list[GptqResult]:
     """Several independent (W, H) problems (e.g. every linear of a layer whose Hessians came from one
-    forward) -> their results, each exactly what `gptq_quantize` gives.
+    forward), with optional grids (see `gptq_quantize`) -> their results, each exactly what `gptq_quantize` gives.
 
     On CUDA the widest problem's factorisation (down_proj's 18944² Cholesky: 0.09 s on an H200) is queued
     on a side stream first and runs while the others are factorised and swept on the main stream.
     """
+    grids = grids or [None] * len(problems)
     if len(problems) < 2 or not problems[0][0].is_cuda:
-        return [gptq_quantize(W, H, spec) for W, H in problems]
+        return [gptq_quantize(W, H, spec, grid) for (W, H), grid in zip(problems, grids)]
     big = max(range(len(problems)), key=lambda i: problems[i][1].shape[0])
     main = torch.cuda.current_stream(problems[big][0].device)
     side = _side_stream(problems[big][0].device)
-    p_big = _prepare(*problems[big], spec)
+    p_big = _prepare(*problems[big], spec, grids[big])
     side.wait_stream(main)
     with torch.cuda.stream(side):
         p_big.H.record_stream(side)
@@ -311,7 +321,7 @@ def gptq_quantize_many(problems: list[tuple[torch.Tensor, torch.Tensor]], spec: 
     out: list[GptqResult | None] = [None] * len(problems)
     for i, (W, H) in enumerate(problems):
         if i != big:
-            out[i] = gptq_quantize(W, H, spec)
+            out[i] = gptq_quantize(W, H, spec, grids[i])
     main.wait_stream(side)
     out[big] = _solve(p_big, spec, first=first)
     return out

@@ -73,6 +73,19 @@ class AwqOptions(_Strict):
     # attention groups, whose loss is not unimodal in α: +0.07 ppl on SmolLM2, see docs/BENCHMARKS.md)
     coarse_step: int = Field(1, gt=0)
     grid_batch: int = Field(4, gt=0)  # candidates per matmul in single-linear groups (memory knob, exact)
+    # clip candidates: "symmetric" = AutoAWQ's ±max|w| shrink; "per_side" adds shrinking max and min on their
+    # own (zero-point grids; a symmetric grid depends on max|w| alone, so there both are the same search).
+    # per_side + refit_iters 2: SmolLM2 g64 24.20 -> 23.92 ppl (16 windows) for ~2.3x the clip search's time,
+    # a few % of the AWQ stage on the CPU (docs/BENCHMARKS.md, 2026-12-01)
+    clip_search: Literal["symmetric", "per_side"] = "per_side"
+    # least-squares refits of each group's scale to its codes on the group output error (0 = off; a group
+    # keeps a refit scale only where it lowers that error)
+    refit_iters: int = Field(2, ge=0)
+    # how codes are chosen on the clip grid: round to nearest, or GPTQ's error feedback through the scaled
+    # inputs' Hessian (settings from the `gptq:` section; static groups, so the format is unchanged). gptq is
+    # the better-quality option (recipes/smollm2-awq-gptq-g64.yaml), not the default: it adds a Hessian and a
+    # GPTQ sweep per linear to every layer (timed by bench/gpu_bench.py --only ours-awq,ours-awq-gptq)
+    rounding: Literal["rtn", "gptq"] = "rtn"
 
     @model_validator(mode="after")
     def _coarse_fits(self) -> "AwqOptions":
@@ -256,7 +269,7 @@ class Recipe(_Strict):
                 "zero_point true (asymmetric) is not allowed with format gptq: vLLM 0.32 accepts only sym: true "
                 "GPTQ checkpoints; set zero_point: false, or format: compressed-tensors for asymmetric weights"
             )
-        if self.method == "gptq":
+        if self.method == "gptq" or (self.method == "awq" and self.awq.rounding == "gptq"):
             b, g = self.gptq.block_size, self.q_group_size
             if g != -1 and b % g and g % b:
                 raise ValueError(f"gptq.block_size {b} and q_group_size {g}: one must divide the other")

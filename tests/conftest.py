@@ -39,6 +39,10 @@ TINY = {
     "qwen2": dict(cls="Qwen2Config", extra={}),
     "qwen3": dict(cls="Qwen3Config", extra={"head_dim": 64}),
     "mistral": dict(cls="MistralConfig", extra={"sliding_window": None}),
+    # a sliding-window layer then a global one, the window shorter than the calibration blocks
+    "gemma3": dict(cls="Gemma3TextConfig", arch="Gemma3ForCausalLM",
+                   extra={"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 16,
+                          "layer_types": ["sliding_attention", "full_attention"]}),
 }
 
 
@@ -56,7 +60,7 @@ def build_tiny_model(out: Path, kind: str = "llama", hidden: int = 256, intermed
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
                   initializer_range=0.08, tie_word_embeddings=tie, bos_token_id=tok.bos_token_id,
                   eos_token_id=tok.eos_token_id, **TINY[kind]["extra"])
-    cfg.architectures = [cfg_cls.__name__.replace("Config", "ForCausalLM")]
+    cfg.architectures = [TINY[kind].get("arch", cfg_cls.__name__.replace("Config", "ForCausalLM"))]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # a few strong input channels, as real activations have: gives AWQ something to find

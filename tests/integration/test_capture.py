@@ -22,10 +22,25 @@ def test_first_layer_inputs_leave_the_model_as_it_was(tmp_path):
     assert model.model.embed_tokens is emb and emb.weight is weight and weight.dtype == torch.float32
     assert model.model.rotary_emb is rot and rot.inv_freq is inv_freq
     # positions come from the float32 frequencies (as the model serves them), handed over in the compute dtype
-    cos, _ = kwargs[0]["position_embeddings"]
+    assert len(kwargs) == 2 and kwargs[1][0]["position_embeddings"] is kwargs[0][0]["position_embeddings"]
+    cos, _ = kwargs[0][0]["position_embeddings"]
     assert cos.dtype == torch.bfloat16
     want, _ = rot(inputs[0], torch.arange(16)[None])
     assert torch.equal(cos, want)
+
+
+def test_each_layer_gets_the_kwargs_the_stack_hands_it(tmp_path):
+    """Gemma 3's sliding-window and global layers get different rotary tables; each layer keeps its own."""
+    d = build_tiny_model(tmp_path / "g", "gemma3", layers=2)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    layers = list(model.model.layers)
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    inputs, kwargs = first_layer_inputs(model, arch_for(model.config), ids, torch.device("cpu"), torch.float32, 2)
+    assert list(model.model.layers) == layers  # the layers are back in place
+    (cos0, _), (cos1, _) = kwargs[0][0]["position_embeddings"], kwargs[1][0]["position_embeddings"]
+    want0, _ = model.model.rotary_emb(inputs[0], torch.arange(32)[None], "sliding_attention")
+    want1, _ = model.model.rotary_emb(inputs[0], torch.arange(32)[None], "full_attention")
+    assert torch.equal(cos0, want0) and torch.equal(cos1, want1) and not torch.equal(cos0, cos1)
 
 
 def test_cache_released_only_when_much_sits_unused(monkeypatch):

@@ -207,3 +207,17 @@ def test_manifest_verifies_and_tampering_is_refused(llama_artifact, tmp_path):
         verify_manifest(bad)
     (bad / "manifest.json").unlink()
     assert verify_manifest(bad) is False  # a directory we did not make: nothing to verify against
+
+
+def test_gemma3_awq_closer_to_source_than_rtn(tmp_path):
+    """Gemma's norms scale by (1 + weight): AWQ's scales folded into them must keep the model's function, and
+    the sliding-window and global layers calibrate with their own masks and positions."""
+    from transformers import AutoModelForCausalLM
+
+    d = build_tiny_model(tmp_path / "g", "gemma3", layers=2)
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    ids = heldout_ids(d)
+    outs = {m: runner.run(tiny_recipe(tmp_path, d, name=f"tiny-g3-{m}", method=m), out_root=tmp_path / "a")
+            for m in ("awq", "rtn")}
+    kl = {m: _kl(ref, load_dequantized(o), ids) for m, o in outs.items()}
+    assert kl["awq"] < kl["rtn"], kl

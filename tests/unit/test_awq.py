@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from quantize import awq
-from quantize.primitives import fake_quant
+from quantize import awq, gptq
+from quantize.primitives import dequantize, fake_quant, quantize
 
 SPEC = awq.QSpec(4, 32, True)
 
@@ -29,6 +29,26 @@ def test_apply_scales_preserves_function():
     y = nxt(prev(x[:, :32]))
     awq.apply_scales(prev, [nxt], torch.rand(64) + 0.1)
     assert torch.allclose(nxt(prev(x[:, :32])), y, atol=1e-5)
+
+
+class _OffsetNorm(nn.Module):
+    """Gemma's RMSNorm: x̂ · (1 + weight)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(n) - 0.5)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
+
+
+def test_apply_scales_into_an_offset_norm_preserves_function():
+    torch.manual_seed(0)
+    norm, fc = _OffsetNorm(64), nn.Linear(64, 16, bias=False)
+    x = torch.randn(10, 64)
+    before = fc(norm(x))
+    awq.apply_scales(norm, [fc], torch.rand(64) + 0.1, norm_offset=1.0)
+    assert torch.allclose(fc(norm(x)), before, atol=1e-5)
 
 
 def test_linear_losses_gram_and_direct_equal_token_mse():
@@ -109,7 +129,7 @@ def test_search_clip_gram_matches_token_loop():
     x = _x(t=200)
     w = torch.randn(16, 64)
     gram = awq.group_gram(x, 32)
-    best = awq.search_clip(w, gram, SPEC, n_grid=10, max_shrink=0.5)
+    lo, hi = awq.search_clip(w, gram, SPEC, n_grid=10, max_shrink=0.5)
     # brute force on tokens, per (out, group)
     wg, xg = w.reshape(16, 2, 32), x.reshape(200, 2, 32)
     org = wg.abs().amax(-1)
@@ -122,15 +142,60 @@ def test_search_clip_gram_matches_token_loop():
                 cur[o, n] = wg[o, n].clamp(-m, m)
                 q = fake_quant(cur.reshape(16, 64), 4, 32, True).reshape(16, 2, 32)
                 errs.append(((xg[:, n] @ q[o, n]) - (xg[:, n] @ wg[o, n])).pow(2).mean().item())
-            expect = org[o, n] * (1 - min(range(5), key=errs.__getitem__) / 10)
-            assert torch.isclose(best[o, n], expect, rtol=1e-5)
+            m = org[o, n] * (1 - min(range(5), key=errs.__getitem__) / 10)
+            assert torch.isclose(hi[o, n], torch.minimum(m, wg[o, n].max()), rtol=1e-5)
+            assert torch.isclose(lo[o, n], torch.maximum(-m, wg[o, n].min()), rtol=1e-5)
 
 
-def test_apply_clip_clamps_groups():
-    fc = nn.Linear(64, 4, bias=False)
-    fc.weight.data = torch.linspace(-2, 2, 256).reshape(4, 64)
-    awq.apply_clip(fc, torch.full((4, 2), 0.5))
-    assert fc.weight.abs().max() <= 0.5
+def _clip_problem(seed=0):
+    """Weights whose groups have one long tail on a random side; inputs with outlier channels."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(32, 128, generator=g) * 0.02
+    tails = torch.randint(0, 128, (32,), generator=g)
+    w[torch.arange(32), tails] = 0.15 * torch.sign(torch.randn(32, generator=g))
+    return _x(t=400, n=128, seed=seed), w
+
+
+def _out_err(x, w, w_hat):
+    return (x @ (w_hat - w).t()).pow(2).mean().item()
+
+
+def _rtn_on(w, lo, hi, spec, scales=None):
+    s, z = awq.clip_grid(w, lo, hi, spec)
+    s = s if scales is None else scales
+    return dequantize(quantize(w, s, z, spec.w_bit), s, z)
+
+
+def test_per_side_clip_lowers_output_error_and_never_loses():
+    x, w = _clip_problem()
+    spec = awq.QSpec(4, 64, True)
+    gram = awq.group_gram(x, 64)
+    sym = _rtn_on(w, *awq.search_clip(w, gram, spec, 20, 0.5), spec)
+    per = _rtn_on(w, *awq.search_clip(w, gram, spec, 20, 0.5, per_side=True), spec)
+    # per group, never worse than the symmetric search; overall clearly better with one-sided tails
+    eg = lambda wh: awq._group_err((wh - w).reshape(32, 2, 64), gram)  # noqa: E731
+    assert (eg(per) <= eg(sym) * (1 + 1e-5) + 1e-12).all()
+    assert _out_err(x, w, per) < 0.9 * _out_err(x, w, sym)
+    # a symmetric grid (no zero point) is set by max|w|: per_side is the same search there
+    sspec = awq.QSpec(4, 64, False)
+    a, b = awq.search_clip(w, gram, sspec, 20, 0.5), awq.search_clip(w, gram, sspec, 20, 0.5, per_side=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_refit_scales_lowers_group_error_and_never_loses():
+    x, w = _clip_problem(1)
+    spec = awq.QSpec(4, 64, True)
+    gram = awq.group_gram(x, 64)
+    lo, hi = awq.search_clip(w, gram, spec, 20, 0.5)
+    s0, z = awq.clip_grid(w, lo, hi, spec)
+    s1 = awq.refit_scales(w, gram, s0, z, spec, iters=3)
+    before = awq._group_err((_rtn_on(w, lo, hi, spec) - w).reshape(32, 2, 64), gram)
+    after = awq._group_err((_rtn_on(w, lo, hi, spec, s1) - w).reshape(32, 2, 64), gram)
+    assert (after <= before * (1 + 1e-5)).all()
+    assert after.sum() < 0.97 * before.sum()
+    assert not torch.equal(s1, s0)
+    # zero iterations: the grid's own scales
+    assert torch.equal(awq.refit_scales(w, gram, s0, z, spec, iters=0), s0)
 
 
 def test_search_batches_seeded_subset_of_whole_batches():
@@ -156,3 +221,19 @@ def test_single_linear_loss_in_half_precision_picks_the_fp32_ratio():
     fc_bf.weight.data = fc.weight.data.to(torch.bfloat16)
     bf = awq.search_scales(x.to(torch.bfloat16), [fc_bf], [True], None, SPEC, n_grid=20, grid_batch=4)
     assert abs(bf.ratio - ref.ratio) <= 0.05 + 1e-9 and ref.losses[bf.ratio] <= 1.01 * ref.losses[ref.ratio]
+
+
+def test_gptq_rounding_on_the_awq_grid_beats_rtn_on_it():
+    """AWQ's clip grid with GPTQ's rounding: same scales and zeros (the format is unchanged), lower output error."""
+    x, w = _clip_problem(2)
+    spec = awq.QSpec(4, 64, True)
+    lo, hi = awq.search_clip(w, awq.group_gram(x, 64), spec, 20, 0.5, per_side=True)
+    s, z = awq.clip_grid(w, lo, hi, spec)
+    H = 2 * x.t() @ x / x.shape[0]
+    gspec = gptq.GptqSpec(4, 64, sym=False, act_order=True, scale_dtype=torch.float16)
+    r = gptq.gptq_quantize(w, H, gspec, grid=(s, z))
+    assert torch.equal(r.scales, s.half().float()) and torch.equal(r.zeros, z)
+    rtn = dequantize(quantize(w, s.half().float(), z, 4), s.half().float(), z)
+    assert _out_err(x, w, dequantize(r.codes, r.scales, r.zeros)) < 0.8 * _out_err(x, w, rtn)
+    with pytest.raises(ValueError, match="act_order"):
+        gptq.gptq_quantize(w, H, gptq.GptqSpec(4, 64, sym=False, act_order=False), grid=(s, z))

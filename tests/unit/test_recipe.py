@@ -157,6 +157,7 @@ def test_awq_search_options_defaults_round_trip():
     """The cheaper-search defaults survive to_dict -> Recipe, and the exhaustive search is expressible."""
     r = Recipe(name="x", **BASE)
     assert (r.awq.search_tokens, r.awq.coarse_step, r.awq.grid_batch) == (16384, 1, 4)
+    assert (r.awq.clip_search, r.awq.refit_iters, r.awq.rounding) == ("per_side", 2, "rtn")
     assert Recipe(**r.to_dict()) == r
     exhaustive = Recipe(name="x", **BASE, awq=dict(search_tokens=None, coarse_step=4))
     again = Recipe(**exhaustive.to_dict())
@@ -218,3 +219,16 @@ def test_recipe_not_utf8_refused(tmp_path):
     (tmp_path / "bin.yaml").write_bytes(b"name: bin\nmodel: \xff\xfe\x00\n")
     with pytest.raises(RecipeError, match="not UTF-8 text .* save the recipe as UTF-8"):
         load_recipe(tmp_path / "bin.yaml")
+
+
+def test_awq_rounding_options_validate(tmp_path):
+    """clip_search, refit_iters and rounding are recipe keys with checked values."""
+    r = Recipe(name="x", **BASE, awq=dict(clip_search="per_side", refit_iters=2, rounding="gptq"))
+    assert (r.awq.clip_search, r.awq.refit_iters, r.awq.rounding) == ("per_side", 2, "gptq")
+    assert Recipe(**r.to_dict()) == r
+    assert "awq.rounding" in _err(tmp_path, method="awq", awq={"rounding": "nearest"})
+    assert "awq.refit_iters" in _err(tmp_path, method="awq", awq={"refit_iters": -1})
+    assert "awq.clip_search" in _err(tmp_path, method="awq", awq={"clip_search": "asym"})
+    # GPTQ rounding reads the gptq section: its block size must fit the groups, as for method gptq
+    assert "block_size 96" in _err(tmp_path, method="awq", awq={"rounding": "gptq"}, gptq={"block_size": 96})
+    Recipe(name="x", **BASE, gptq=dict(block_size=96))  # unused by round-to-nearest: no error

@@ -1,0 +1,95 @@
+"""Peer run: llm-compressor's AWQ on the exact calibration token blocks our pipeline builds.
+
+    bash bench/peers/setup_llmcompressor.sh
+    HF_HUB_OFFLINE=1 .cache/venv-llmcompressor/bin/python bench/peers/llmc_awq.py \
+        --model ~/.cache/quantize/gguf/SmolLM2-135M-Instruct.Q4_1-<hash> --out artifacts/peer-llmc-awq-g64
+
+Calibration blocks as in llmc_gptq.py (bench/peers/common.py). Recipe: [AWQModifier(), QuantizationModifier]
+with int4 asymmetric group --group-size weights on every Linear but lm_head (llm-compressor 0.14's defaults
+otherwise: duo scaling, 20-point grid, its default mappings for Llama). Calibrated in --compute-dtype (float32,
+as our pipeline does on the CPU), saved compressed (pack-quantized) in float16. Writes OUT/peer_run.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+T0 = time.perf_counter()
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from llmcompressor import oneshot  # noqa: E402
+from llmcompressor.modifiers.quantization import QuantizationModifier  # noqa: E402
+from llmcompressor.modifiers.transform.awq import AWQModifier  # noqa: E402
+from bench.peers.common import LIFECYCLE_FLAGS, calibration  # noqa: E402
+from bench.peers.llmc_bench import skip_pinning_without_accelerator  # noqa: E402
+from quantize import calib  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="local HF safetensors directory")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--n-samples", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dataset", default="pileval")
+    ap.add_argument("--compute-dtype", choices=DTYPES, default="float32")
+    ap.add_argument("--save-dtype", choices=DTYPES, default="float16")
+    args = ap.parse_args()
+    out = Path(args.out)
+
+    tok, text, samples, ds = calibration(args.model, args.dataset, args.n_samples, args.seq_len, args.seed)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.compute_dtype])
+    recipe = [AWQModifier(), QuantizationModifier(
+        config_groups={"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+                        "group_size": args.group_size, "dynamic": False},
+        }},
+        ignore=["lm_head"],
+    )]
+    patched = skip_pinning_without_accelerator()
+    t1 = time.perf_counter()
+    oneshot(model=model, processor=tok, dataset=ds, recipe=recipe, num_calibration_samples=args.n_samples,
+            max_seq_length=args.seq_len, shuffle_calibration_samples=False, batch_size=1)
+    oneshot_s = time.perf_counter() - t1
+
+    model.to(DTYPES[args.save_dtype])
+    model.config.dtype = DTYPES[args.save_dtype]
+    model.save_pretrained(out, save_compressed=True)
+    tok.save_pretrained(out)
+    record = {
+        "peer": "llmcompressor.AWQModifier",
+        "versions": {p: version(p) for p in ("llmcompressor", "transformers", "torch", "compressed-tensors")},
+        "model": str(Path(args.model).resolve()),
+        "calibration": {"dataset": args.dataset, "source": text.source, "text_sha256": text.sha256,
+                        "n_samples": args.n_samples, "seq_len": args.seq_len, "seed": args.seed,
+                        "blocks_sha256": calib.samples_sha256(samples)},
+        "modifiers": [{type(m).__name__: m.model_dump(mode="json", exclude_none=True, exclude=LIFECYCLE_FLAGS)}
+                      for m in recipe],
+        "quantization_config": json.loads((out / "config.json").read_text())["quantization_config"],
+        "compute_dtype": args.compute_dtype, "save_dtype": args.save_dtype, "cpu_pinning_skipped": patched,
+        "oneshot_s": round(oneshot_s, 2), "total_s": round(time.perf_counter() - T0, 2),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+    (out / "peer_run.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(json.dumps(record, default=str))
+
+
+if __name__ == "__main__":
+    main()
