@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--n-samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dataset", default="pileval")
+    ap.add_argument("--dataset", default="groups-merged")
     ap.add_argument("--compute-dtype", choices=DTYPES, default="float32")
     args = ap.parse_args()
     out = Path(args.out)

@@ -11,7 +11,7 @@ llm-compressor default). The model is calibrated in --compute-dtype (float32, as
 the CPU) and saved compressed (compressed-tensors pack-quantized) in --save-dtype (float16, as our
 recipes write; recasting after GPTQ leaves every int4 value unchanged, only scales are rounded). Writes
 OUT/peer_run.json with versions, timings, the modifier config and peak RSS. HF_HUB_OFFLINE defaults
-to 1 here, so `pileval`/`wikitext2` resolve to the bundled files in data/ unless it is set to 0.
+to 1 here; the default `groups-merged` is the bundled text in data/.
 """
 
 from __future__ import annotations
