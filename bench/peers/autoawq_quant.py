@@ -15,7 +15,6 @@ scales are saved in float16 (as our recipes write). Writes OUT/peer_run.json (ve
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -33,22 +32,11 @@ import torch  # noqa: E402
 import awq  # noqa: E402
 from awq import AutoAWQForCausalLM  # noqa: E402
 
-from bench.peers.common import calibration  # noqa: E402
+from bench.peers.common import DTYPES, calibration, parser  # noqa: E402
 from quantize import calib  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16}
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="local HF safetensors directory")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--n-samples", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dataset", default="groups-merged")
-    ap.add_argument("--compute-dtype", choices=DTYPES, default="float32")
+    ap = parser(__doc__.split("\n\n")[0])
     args = ap.parse_args()
     out = Path(args.out)
 

@@ -1,7 +1,10 @@
-"""What the peer scripts (llmc_bench.py, llmc_gptq.py) share: our pipeline's exact calibration token blocks,
-as the pre-tokenized dataset llm-compressor's `oneshot` takes, and the modifier fields their records leave out."""
+"""What the peer scripts (llmc_bench.py, llmc_gptq.py, llmc_awq.py, autoawq_quant.py) share: their common
+command-line flags, our pipeline's exact calibration token blocks (as the pre-tokenized dataset llm-compressor's
+`oneshot` takes) with the record of them, and the modifier fields their records leave out."""
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 from datasets import Dataset
@@ -10,6 +13,28 @@ from transformers import AutoTokenizer
 from quantize import calib
 
 LIFECYCLE_FLAGS = {"initialized_", "finalized_", "started_", "ended_"}  # a modifier's run state, not its settings
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The flags every peer script takes: model, output, group size, our calibration blocks' settings, dtype."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--model", required=True, help="local HF safetensors directory")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--n-samples", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dataset", default="groups-merged")
+    ap.add_argument("--compute-dtype", choices=DTYPES, default="float32")
+    return ap
+
+
+def calibration_record(args, text, samples: torch.Tensor) -> dict:
+    """What a peer's record says of its calibration: the same text, seed and blocks as ours (their sha256)."""
+    return {"dataset": args.dataset, "source": text.source, "text_sha256": text.sha256,
+            "n_samples": args.n_samples, "seq_len": args.seq_len, "seed": args.seed,
+            "blocks_sha256": calib.samples_sha256(samples)}
 
 
 def calibration(model: str, dataset: str, n_samples: int, seq_len: int, seed: int):
@@ -20,3 +45,21 @@ def calibration(model: str, dataset: str, n_samples: int, seq_len: int, seed: in
     samples = calib.make_samples(text.documents, tok, n_samples, seq_len, seed)
     ds = Dataset.from_dict({"input_ids": samples.tolist(), "attention_mask": torch.ones_like(samples).tolist()})
     return tok, text, samples, ds
+
+
+def oneshot_and_save(model, tok, ds, recipe, args, out) -> float:
+    """llm-compressor's `oneshot` on our blocks (in order, batch 1), then the model saved compressed in
+    --save-dtype beside the tokenizer -> oneshot's seconds."""
+    import time
+
+    from llmcompressor import oneshot
+
+    t1 = time.perf_counter()
+    oneshot(model=model, processor=tok, dataset=ds, recipe=recipe, num_calibration_samples=args.n_samples,
+            max_seq_length=args.seq_len, shuffle_calibration_samples=False, batch_size=1)
+    seconds = time.perf_counter() - t1
+    model.to(DTYPES[args.save_dtype])
+    model.config.dtype = DTYPES[args.save_dtype]
+    model.save_pretrained(out, save_compressed=True)
+    tok.save_pretrained(out)
+    return seconds

@@ -12,7 +12,6 @@ as our pipeline does on the CPU), saved compressed (pack-quantized) in float16. 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -26,29 +25,15 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from llmcompressor import oneshot  # noqa: E402
 from llmcompressor.modifiers.quantization import QuantizationModifier  # noqa: E402
 from llmcompressor.modifiers.transform.awq import AWQModifier  # noqa: E402
-from bench.peers.common import LIFECYCLE_FLAGS, calibration  # noqa: E402
+from bench.peers.common import DTYPES, LIFECYCLE_FLAGS, calibration, calibration_record, oneshot_and_save, parser  # noqa: E402
 from bench.peers.llmc_bench import skip_pinning_without_accelerator  # noqa: E402
-from quantize import calib  # noqa: E402
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="local HF safetensors directory")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--n-samples", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dataset", default="groups-merged")
-    ap.add_argument("--compute-dtype", choices=DTYPES, default="float32")
+    ap = parser(__doc__.split("\n\n")[0])
     ap.add_argument("--save-dtype", choices=DTYPES, default="float16")
     args = ap.parse_args()
     out = Path(args.out)
@@ -64,22 +49,12 @@ def main() -> None:
         ignore=["lm_head"],
     )]
     patched = skip_pinning_without_accelerator()
-    t1 = time.perf_counter()
-    oneshot(model=model, processor=tok, dataset=ds, recipe=recipe, num_calibration_samples=args.n_samples,
-            max_seq_length=args.seq_len, shuffle_calibration_samples=False, batch_size=1)
-    oneshot_s = time.perf_counter() - t1
-
-    model.to(DTYPES[args.save_dtype])
-    model.config.dtype = DTYPES[args.save_dtype]
-    model.save_pretrained(out, save_compressed=True)
-    tok.save_pretrained(out)
+    oneshot_s = oneshot_and_save(model, tok, ds, recipe, args, out)
     record = {
         "peer": "llmcompressor.AWQModifier",
         "versions": {p: version(p) for p in ("llmcompressor", "transformers", "torch", "compressed-tensors")},
         "model": str(Path(args.model).resolve()),
-        "calibration": {"dataset": args.dataset, "source": text.source, "text_sha256": text.sha256,
-                        "n_samples": args.n_samples, "seq_len": args.seq_len, "seed": args.seed,
-                        "blocks_sha256": calib.samples_sha256(samples)},
+        "calibration": calibration_record(args, text, samples),
         "modifiers": [{type(m).__name__: m.model_dump(mode="json", exclude_none=True, exclude=LIFECYCLE_FLAGS)}
                       for m in recipe],
         "quantization_config": json.loads((out / "config.json").read_text())["quantization_config"],

@@ -16,7 +16,6 @@ to 1 here; the default `groups-merged` is the bundled text in data/.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -33,28 +32,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local model dir; calib then uses
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from llmcompressor import oneshot  # noqa: E402
 from llmcompressor.modifiers.gptq import GPTQModifier  # noqa: E402
-from bench.peers.common import LIFECYCLE_FLAGS, calibration  # noqa: E402
-from quantize import calib  # noqa: E402
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
+from bench.peers.common import DTYPES, LIFECYCLE_FLAGS, calibration, calibration_record, oneshot_and_save, parser  # noqa: E402
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="local HF safetensors directory")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--n-samples", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dataset", default="groups-merged")
+    ap = parser(__doc__.split("\n\n")[0])
     ap.add_argument("--dampening-frac", type=float, default=0.01)
     ap.add_argument("--block-size", type=int, default=128, help="GPTQ columns per pass (llm-compressor default)")
     ap.add_argument("--actorder", choices=["static", "none"], default="static",
                     help="static = llm-compressor's default (reorders during GPTQ only; groups stay contiguous)")
-    ap.add_argument("--compute-dtype", choices=DTYPES, default="float32")
     ap.add_argument("--save-dtype", choices=DTYPES, default="float16", help="our smollm2 recipes write float16")
     args = ap.parse_args()
     out = Path(args.out)
@@ -74,23 +60,13 @@ def main() -> None:
         block_size=args.block_size,
     )
 
-    t1 = time.perf_counter()
-    oneshot(model=model, processor=tok, dataset=ds, recipe=modifier, num_calibration_samples=args.n_samples,
-            max_seq_length=args.seq_len, shuffle_calibration_samples=False, batch_size=1)
-    oneshot_s = time.perf_counter() - t1
-
-    model.to(DTYPES[args.save_dtype])
-    model.config.dtype = DTYPES[args.save_dtype]
-    model.save_pretrained(out, save_compressed=True)
-    tok.save_pretrained(out)
+    oneshot_s = oneshot_and_save(model, tok, ds, modifier, args, out)
 
     record = {
         "peer": "llmcompressor.GPTQModifier",
         "versions": {p: version(p) for p in ("llmcompressor", "transformers", "torch", "compressed-tensors")},
         "model": str(Path(args.model).resolve()),
-        "calibration": {"dataset": args.dataset, "source": text.source, "text_sha256": text.sha256,
-                        "n_samples": args.n_samples, "seq_len": args.seq_len, "seed": args.seed,
-                        "blocks_sha256": calib.samples_sha256(samples)},
+        "calibration": calibration_record(args, text, samples),
         "modifier": modifier.model_dump(mode="json", exclude_none=True, exclude=LIFECYCLE_FLAGS),
         "quantization_config": json.loads((out / "config.json").read_text())["quantization_config"],
         "compute_dtype": args.compute_dtype, "save_dtype": args.save_dtype,
