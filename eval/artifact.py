@@ -69,6 +69,15 @@ def verify_manifest(path: Path) -> bool:
     return True
 
 
+def files_fingerprint(manifest: dict) -> str:
+    """sha256 over the (name, sha256) pairs of an artifact's files, its model card excepted (the eval rewrites
+    that): a report records the one it scored, so a report can never vouch for files it did not see."""
+    import hashlib
+
+    pairs = sorted((n, rec["sha256"]) for n, rec in manifest.get("files", {}).items() if n != "README.md")
+    return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()
+
+
 def _unlisted(root: Path, listed: set[str]) -> list[str]:
     """Entries under root that a closed artifact may not hold: symlinks, special files, files not listed."""
     bad = []

@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from quantize.paths import child
     from quantize.recipe import EvalOptions, RecipeError, load_recipe
 
+    from quantize.lock import OutputLockedError, output_lock
+
     from .artifact import ArtifactError
 
     try:
@@ -62,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                 update={"max_windows": a.max_windows})})
         if a.no_vllm:
             eopts = eopts.model_copy(update={"vllm": eopts.vllm.model_copy(update={"enabled": False})})
-        return run_eval(artifact, a.base, eopts)
-    except (RecipeError, ArtifactError, ValueError, FileNotFoundError) as e:
+        with output_lock(artifact):  # no quantize run replaces the artifact while it is being scored
+            return run_eval(artifact, a.base, eopts)
+    except (RecipeError, ArtifactError, ValueError, FileNotFoundError, OutputLockedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -30,7 +30,7 @@ from quantize.calib import hub_offline
 from quantize.export import MANIFEST, atomic_write_text, sha256_file
 
 from . import refcache
-from .artifact import load_dequantized, verify_manifest
+from .artifact import files_fingerprint, load_dequantized, verify_manifest
 from .perplexity import Protocol, batch_windows, load_eval_text, perplexity, protocol_record, windows
 from .smoke import smoke, vllm_unavailable
 
@@ -199,6 +199,8 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
         wins = windows(ctx["tokenizer"], text, proto)
         verified = verifying.result()
         hashing.result()
+    if verified:  # the manifest as verified, for the fingerprint of the files this eval scores
+        manifest = json.loads((artifact / MANIFEST).read_text())
     record = protocol_record(proto, text, where, wins)
     ctx["batch"] = batch_windows(device, proto.seq_len)
     log.info("eval on %s in %s: %d windows of %d tokens from %s, %d per forward", refcache.device_kind(device),
@@ -244,7 +246,8 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
               "host_rss_peak_scope": "eval stage" if peak_reset else "process lifetime",
               "device_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     report = {
-        "artifact": str(artifact), "manifest_verified": verified, "base_model": base_spec,
+        "artifact": str(artifact), "manifest_verified": verified, "files_scored": files_fingerprint(manifest),
+        "base_model": base_spec,
         "reference_dtype": scored["dtype"], "scored_on": scored,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": _machine(),
         "perplexity": ppl, "gates": gates, "vllm_smoke": smoke_res, "lm_eval": lm,

@@ -17,8 +17,8 @@ from .arch import UnsupportedArchitecture
 from .calib import CalibrationError
 from .capture import NumericalError
 from .export import DiskFullError, ExportError, NonFiniteTensorError, OutputExistsError
-from .lock import OutputLockedError
-from .paths import UnsafePathError, child
+from .lock import OutputLockedError, output_lock
+from .paths import UnsafePathError, check_output_parent, child
 from .preflight import PreflightError
 from .recipe import RecipeError, list_recipes, load_recipe, load_variants
 from .registry import RegistryError
@@ -162,7 +162,8 @@ def _main(args) -> int:
             artifact = Path(args.artifact) if args.artifact else child(args.out, args.recipe, "recipe name")
             if not artifact.is_dir():
                 raise FileNotFoundError(f"{artifact} does not exist; run make quantize RECIPE=... first")
-            res = registry.register(artifact, True if args.by_reference else None, args.storage_uri)
+            with output_lock(artifact):  # no run replaces it while it is checked and copied
+                res = registry.register(artifact, True if args.by_reference else None, args.storage_uri)
             print(f"registered {res['name']} version {res['version']} in {res['tracking_uri']} "
                   f"(source {res['source']})")
             return 0
@@ -181,14 +182,17 @@ def _main(args) -> int:
             return 0
         from .runner import run
 
-        out = run(args.recipe, out_root=args.out, force=args.force)
-        print(out)
         recipe = load_recipe(args.recipe)
-        if recipe.eval.enabled and not args.no_eval:
-            from eval.cli import run_eval
+        check_output_parent(args.out)
+        # one lock over quantize and eval: no other run can replace the artifact while it is being scored
+        with output_lock(child(args.out, recipe.name, "recipe name")):
+            out = run(args.recipe, out_root=args.out, force=args.force, locked=True)
+            print(out)
+            if recipe.eval.enabled and not args.no_eval:
+                from eval.cli import run_eval
 
-            during_eval = True
-            return run_eval(out, None, recipe.eval)
+                during_eval = True
+                return run_eval(out, None, recipe.eval)
         return 0
     except USER_ERRORS as e:
         if args.debug:

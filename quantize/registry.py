@@ -110,6 +110,11 @@ def check_artifact(artifact: Path) -> tuple[dict, dict]:
     if not report.get("passed") or not m["report"].get("passed"):
         why = report.get("gates", {}).get("failures", []) + report.get("vllm_smoke", {}).get("errors", [])
         raise RegistryError(f"{artifact}: refused, its eval failed: {'; '.join(why) or 'see report.md'}")
+    from eval.artifact import files_fingerprint
+
+    if report.get("files_scored") != files_fingerprint(m):
+        raise RegistryError(f"{artifact}: refused, its report scored other files than the artifact holds now (it was "
+                            f"re-made after that eval); run `make eval RECIPE={m.get('artifact')}` again")
     if "skipped" in report.get("vllm_smoke", {}):
         raise RegistryError(f"{artifact}: refused, vLLM never loaded it ({report['vllm_smoke']['skipped']}); "
                             f"run the eval where vLLM is installed, with eval.vllm.enabled: true")

@@ -163,12 +163,15 @@ def share_key(recipe: Recipe) -> tuple:
     return tuple(repr(d[k]) for k in SHARED_KEYS)
 
 
-def run(recipe_name: str | Path, out_root: str | Path = "artifacts", force: bool = False) -> Path:
-    """Quantize per recipe -> the artifact directory. `<out>.lock` is held for the whole run."""
-    return run_many([load_recipe(recipe_name)], out_root, force)[0]
+def run(recipe_name: str | Path, out_root: str | Path = "artifacts", force: bool = False,
+        locked: bool = False) -> Path:
+    """Quantize per recipe -> the artifact directory. `<out>.lock` is held for the whole run (locked: the caller
+    holds it already, to keep it over the eval that follows)."""
+    return run_many([load_recipe(recipe_name)], out_root, force, locked)[0]
 
 
-def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: bool = False) -> list[Path]:
+def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: bool = False,
+             locked: bool = False) -> list[Path]:
     """Quantize several recipes of one model in one pass -> their artifact directories (in order).
 
     One model load, one calibration set, and one trip of each decoder layer to the device serve every recipe;
@@ -179,7 +182,8 @@ def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: b
     check_output_parent(out_root)
     with ExitStack() as locks:
         for out in outs:
-            locks.enter_context(output_lock(out))
+            if not locked:
+                locks.enter_context(output_lock(out))
             export.remove_stale(out)  # what a killed run of this output left; no live run can own it now
         try:
             return _run_many(recipes, outs, force)

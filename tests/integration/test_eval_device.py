@@ -252,3 +252,42 @@ def test_smoke_skips_where_vllm_cannot_serve_4bit(monkeypatch):
     assert smoke_mod.vllm_unavailable() is None
     monkeypatch.setattr(smoke_mod.importlib.util, "find_spec", lambda name: None)
     assert smoke_mod.vllm_unavailable() == "vllm not importable"
+
+
+def test_eval_and_register_wait_for_the_outputs_lock(evaluated, capsys):
+    """A run holding the output's lock (a --force re-run, say) keeps eval and register off the artifact."""
+    from quantize.cli import main as quantize_cli
+    from quantize.lock import output_lock
+
+    out, recipe = evaluated
+    with output_lock(out):
+        assert eval_main([str(recipe), "--artifact", str(out)]) == 2
+        assert "is locked by another run" in capsys.readouterr().err
+        assert quantize_cli(["register", "--artifact", str(out)]) == 2
+        assert "is locked by another run" in capsys.readouterr().err
+
+
+def test_register_refuses_a_report_of_other_files(evaluated, tmp_path, monkeypatch):
+    """An eval that scored one artifact and wrote its report into a re-made one (the race a lock-free eval lost)
+    cannot vouch for the new files: register refuses, naming the fix."""
+    from eval.report import write_report
+    from quantize import registry
+
+    out, _ = evaluated
+    monkeypatch.setattr(refcache, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(report, "vllm_unavailable", lambda: None)
+    monkeypatch.setattr(report, "smoke", lambda *a, **k: {"passed": True, "checks": {}, "errors": []})
+    r = report.evaluate(out, None, EvalOptions(perplexity=dict(dataset="wikitext2", seq_len=128, max_windows=2),
+                                                max_ppl_delta_pct=None))
+    registry.check_artifact(out)  # the report matches its files
+    remade = tmp_path / "remade"
+    shutil.copytree(out, remade)
+    t = load_file(str(remade / "model.safetensors"))
+    t["model.layers.0.mlp.down_proj.scales"] *= 1.01  # another quantization of the same recipe
+    save_file(t, str(remade / "model.safetensors"), metadata={"format": "pt"})
+    m = json.loads((remade / "manifest.json").read_text())
+    m["files"]["model.safetensors"]["sha256"] = sha256_file(remade / "model.safetensors")
+    (remade / "manifest.json").write_text(json.dumps(m))
+    write_report(remade, r)  # the old eval's report lands in the new artifact, hashed into its manifest
+    with pytest.raises(registry.RegistryError, match="its report scored other files than the artifact holds now"):
+        registry.check_artifact(remade)
