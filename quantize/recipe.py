@@ -82,9 +82,9 @@ class AwqOptions(_Strict):
     # keeps a refit scale only where it lowers that error)
     refit_iters: int = Field(2, ge=0)
     # how codes are chosen on the clip grid: round to nearest, or GPTQ's error feedback through the scaled
-    # inputs' Hessian (settings from the `gptq:` section; static groups, so the format is unchanged). gptq is
-    # the better-quality option (recipes/smollm2-awq-gptq-g64.yaml), not the default: it adds a Hessian and a
-    # GPTQ sweep per linear to every layer (timed by bench/gpu_bench.py --only ours-awq,ours-awq-gptq)
+    # inputs' Hessian (settings from the `gptq:` section; static groups, so the format is unchanged). Not the
+    # default: better on SmolLM2 (23.61 vs 23.92), worse on Gemma 3 270M (30.65 vs 29.97), and it adds a Hessian
+    # and a GPTQ sweep per linear to every layer (timed by bench/gpu_bench.py --only ours-awq,ours-awq-gptq)
     rounding: Literal["rtn", "gptq"] = "rtn"
 
     @model_validator(mode="after")
