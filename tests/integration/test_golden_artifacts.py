@@ -1,0 +1,87 @@
+"""The tiny-model artifacts are pinned byte for byte: a refactor that changes one packed bit fails here.
+
+Each variant is quantized on the CPU in float32 from a tiny Llama built from its config (seed 0), and every file
+the artifact holds except the ones that record the run itself (manifest, report, model card: timings, dates,
+versions) is hashed. The pins are of one kernel path: torch's CPU matmuls differ in the last bit between
+instruction sets, so on a CPU whose capability differs from the one recorded the test is skipped, saying so.
+Regenerate with `python tests/integration/test_golden_artifacts.py` after a change meant to alter the bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = ROOT / "tests" / "golden" / "tiny-artifacts.json"
+RUN_RECORDS = {"manifest.json", "README.md"}  # written per run: timings, dates, versions, paths
+
+VARIANTS = {
+    "awq-gemm": dict(method="awq"),
+    "awq-ct": dict(method="awq", format="compressed-tensors"),
+    "gptq": dict(method="gptq", zero_point=False),
+    "gptq-ct-asym": dict(method="gptq", zero_point=True, format="compressed-tensors"),
+    "rtn-gemm": dict(method="rtn"),
+}
+
+
+def _bytes(p: Path) -> bytes:
+    if p.name != "config.json":
+        return p.read_bytes()
+    # transformers writes the absolute source directory into `_name_or_path` when it saves a config; the
+    # rest of the file is pinned byte for byte
+    text = p.read_text()
+    return text.replace(json.dumps(json.loads(text).get("_name_or_path", "")), '""').encode()
+
+
+def _hashes(art: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(_bytes(p)).hexdigest()
+            for p in sorted(art.iterdir()) if p.is_file() and p.name not in RUN_RECORDS}
+
+
+def build_all(tmp: Path) -> dict[str, dict[str, str]]:
+    """Built under tmp with relative paths, so that no file records where the test ran."""
+    import os
+
+    sys.path.insert(0, str(ROOT))
+    from tests.conftest import build_tiny_model, tiny_recipe
+    from quantize import runner
+
+    cwd = os.getcwd()
+    os.chdir(tmp)
+    try:
+        model = build_tiny_model(Path("model"), "llama")
+        out = {}
+        for name, over in VARIANTS.items():
+            recipe = tiny_recipe(Path("."), model, name=f"golden-{name}", **over)
+            out[name] = _hashes(runner.run(recipe, out_root="art"))
+        return out
+    finally:
+        os.chdir(cwd)
+
+
+def _capability() -> str:
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def test_tiny_artifacts_are_byte_identical_to_the_pins(tmp_path):
+    pinned = json.loads(GOLDEN.read_text())
+    if pinned["cpu_capability"] != _capability():
+        pytest.skip(f"pins are of {pinned['cpu_capability']} kernels; this CPU runs {_capability()}")
+    got = build_all(tmp_path)
+    for name, files in pinned["artifacts"].items():
+        assert got[name] == files, f"{name}: the artifact's bytes changed"
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        record = {"cpu_capability": _capability(), "torch": torch.__version__, "artifacts": build_all(Path(d))}
+    GOLDEN.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {GOLDEN}")
