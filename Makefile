@@ -25,12 +25,12 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml
 
 # make quantize [RECIPE=name] [FORCE=1]: recipes/<name>.yaml -> artifacts/<name>/
 quantize: $(STAMP)
-	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m quantize run $(RECIPE) $(if $(FORCE),--force)
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m pipeline run $(RECIPE) $(if $(FORCE),--force)
 
 # make eval [RECIPE=name]: perplexity FP16 vs quantized + vLLM smoke-load -> artifacts/<name>/report.{json,md}
 # (make quantize already runs it unless the recipe sets eval.enabled: false). Exit 3 when a gate fails.
 eval: $(STAMP)
-	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m eval $(RECIPE)
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m pipeline eval $(RECIPE)
 
 # make serve RECIPE=name [PORT=8000]: vLLM's OpenAI-compatible server on artifacts/<name>/ with its
 # vllm-serve.yaml (served name, dtype, max model length, tensor-parallel size, quantization); prints the URL and
@@ -52,20 +52,20 @@ bench-serve: $(STAMP)
 # evaluated; artifacts/compare-<name>.{md,json,png}. Exit 3 when any variant's eval fails.
 RECIPES ?= smollm2-awq-sweep
 compare: $(STAMP)
-	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m quantize compare $(RECIPES) $(if $(NAME),--name $(NAME)) \
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m pipeline compare $(RECIPES) $(if $(NAME),--name $(NAME)) \
 		$(if $(FORCE),--force) $(if $(filter 0,$(EVAL)),--no-eval)
 
 # make register RECIPE=name: artifacts/<name>/ into the MLflow model registry (registry/mlflow.db unless
 # MLFLOW_TRACKING_URI is set). Refused unless the manifest verifies and the eval passed with vLLM loading it.
 register: $(STAMP)
-	$(PY) -m quantize register $(RECIPE)
+	$(PY) -m pipeline register $(RECIPE)
 
 # make registry: every registered version with its metrics.
 registry: $(STAMP)
-	$(PY) -m quantize registry
+	$(PY) -m pipeline registry
 
 recipes: $(STAMP)
-	$(PY) -m quantize list
+	$(PY) -m pipeline list
 
 # The suite CI runs: unit + integration, including real vLLM loads; no GPU tests, no slow tests.
 # A private --basetemp: pytest rotates /tmp/pytest-of-<user>, so two concurrent runs would delete each other's files.

@@ -28,14 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from quantize import precompile  # noqa: E402 - standard library only
-
-if __name__ == "__main__" and len(sys.argv) > 1 and not sys.argv[1].startswith("-"):
-    precompile.spawn(["run", sys.argv[1]])  # as `python -m quantize run` does, before torch is imported
-
 import torch  # noqa: E402
 
-from quantize import runner, warmup  # noqa: E402
+from quantize import runner  # noqa: E402
 
 LAYER_DONE = re.compile(r"layer (\d+)/(\d+) done in ([0-9.]+) s")
 # DEBUG records of quantize.capture / quantize.engine that break a layer's time down (kept for the first layers)
@@ -113,13 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("recipe", help="recipe YAML path or name")
     ap.add_argument("--out-root", required=True, help="parent directory of the artifact")
     ap.add_argument("--json", type=Path, required=True, help="where the record is written")
-    ap.add_argument("--empty-cache", action="store_true",
-                    help="experiment: release the CUDA cache after each layer (capture.EMPTY_CACHE_PER_LAYER)")
     args = ap.parse_args(argv)
-    if args.empty_cache:
-        from quantize import capture
-
-        capture.EMPTY_CACHE_PER_LAYER = True
     console = logging.StreamHandler()
     console.setLevel(logging.INFO)  # the DEBUG records below reach LogTimes, not the log
     logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(name)s: %(message)s",
@@ -146,9 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         "calibration": man["calibration"], "stages_s": man["timings_s"], "cuda_allocator": man.get("cuda_allocator"),
         "run_s": round(run_s, 2),
         "process_s": round(time.perf_counter() - T0, 2), "per_layer": per_layer(log_times.layers),
-        "precompile": precompile.outcome,
-        "warmup": {k: v for k, v in warmup.outcome.items() if not k.endswith("_at")},
-        "timeline_s": log_times.timeline(t_run, warmup.outcome),
+        "timeline_s": log_times.timeline(t_run, {}),
         "first_layers": {str(k): v for k, v in sorted(log_times.parts.items())},
         "peak_gpu_alloc_gib": round(torch.cuda.max_memory_allocated() / gib, 2) if cuda else None,
         "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / gib, 2) if cuda else None,

@@ -16,7 +16,7 @@ declare -A AWQ=([default]="" [earlier]="awq: {clip_search: symmetric, refit_iter
 for v in earlier default gptq-rounding; do
     printf 'name: awq-%s\nbase: %s\nmodel: %s\n%s\n' "$v" "$(pwd)/recipes/qwen7b-awq-g128.yaml" "$WORK/ckpt-7b" \
         "${AWQ[$v]}" > "$WORK/r/awq-$v.yaml"
-    $PY -m quantize run "$WORK/r/awq-$v.yaml" --out "$WORK/art" --force --no-eval
+    $PY -m pipeline run "$WORK/r/awq-$v.yaml" --out "$WORK/art" --force --no-eval
 done
 $PY - "$WORK/art" "$OUT/awq-defaults.json" <<'PYEOF'
 import json, sys

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The headline command on a GPU host, end to end with eval on, timed from interpreter start to report written:
-# `python -m quantize run` of the shipped qwen7b AWQ g128 and GPTQ g128 recipes on a Qwen2.5-7B-shaped
+# `python -m pipeline run` of the shipped qwen7b AWQ g128 and GPTQ g128 recipes on a Qwen2.5-7B-shaped
 # random-init checkpoint (bench/build_checkpoint.py), perplexity over the whole bundled WikiText-2 test text.
 #
 #   OUT=/some/dir bash bench/gpu_headline.sh      # on the GPU host, from the repository root
@@ -8,8 +8,8 @@
 # Steps (each timed, each one's output in $OUT/log.txt; a failing step does not stop the next):
 #   tiny    the same recipes' code paths on a 2-layer checkpoint (seconds; a broken path shows here cheaply)
 #   awq     the AWQ g128 run, empty reference cache (the reference model is scored)
-#   eval    `python -m eval` again on that artifact (the reference's perplexity from the cache)
-#   reg     `python -m quantize register` on it: refused while vLLM never loaded it
+#   eval    `python -m pipeline eval` again on that artifact (the reference's perplexity from the cache)
+#   reg     `python -m pipeline register` on it: refused while vLLM never loaded it
 #   gptq    the GPTQ g128 run, reference cached by the AWQ run (same model, protocol, dtype, GPU)
 #   gptq0   the GPTQ g128 run again with the cache emptied (--force)
 # $OUT gets log.txt, summary.json (per step: seconds, exit code, the report's key figures) and each 7B
@@ -44,7 +44,7 @@ step() {  # step LABEL command... : wall seconds and exit code into $WORK/steps.
 
 $PY bench/build_checkpoint.py --config bench/configs/qwen2.5-7b --tiny --out "$WORK/ckpt-tiny"
 recipe tiny-awq qwen7b-awq-g128 "$WORK/ckpt-tiny" "eval: {perplexity: {max_windows: 8}}"
-step tiny $PY -m quantize run "$WORK/r/tiny-awq.yaml" --out "$WORK/art" --force
+step tiny $PY -m pipeline run "$WORK/r/tiny-awq.yaml" --out "$WORK/art" --force
 
 step build $PY bench/build_checkpoint.py --config bench/configs/qwen2.5-7b --out "$WORK/ckpt-7b"
 CKPT_BYTES=$(du -sb "$WORK/ckpt-7b" | cut -f1)
@@ -52,14 +52,14 @@ recipe h200-qwen7b-awq-g128 qwen7b-awq-g128 "$WORK/ckpt-7b"
 recipe h200-qwen7b-gptq-g128 qwen7b-gptq-g128 "$WORK/ckpt-7b"
 A="$WORK/art/h200-qwen7b-awq-g128" G="$WORK/art/h200-qwen7b-gptq-g128"
 
-step awq $PY -m quantize run "$WORK/r/h200-qwen7b-awq-g128.yaml" --out "$WORK/art" --force
+step awq $PY -m pipeline run "$WORK/r/h200-qwen7b-awq-g128.yaml" --out "$WORK/art" --force
 cp "$A/report.json" "$OUT/awq-report.json"; cp "$A/README.md" "$OUT/awq-model-card.md"
-step eval $PY -m eval "$WORK/r/h200-qwen7b-awq-g128.yaml" --artifact "$A"
-step reg $PY -m quantize register --artifact "$A"
-step gptq $PY -m quantize run "$WORK/r/h200-qwen7b-gptq-g128.yaml" --out "$WORK/art" --force
+step eval $PY -m pipeline eval "$WORK/r/h200-qwen7b-awq-g128.yaml" --artifact "$A"
+step reg $PY -m pipeline register --artifact "$A"
+step gptq $PY -m pipeline run "$WORK/r/h200-qwen7b-gptq-g128.yaml" --out "$WORK/art" --force
 cp "$G/report.json" "$OUT/gptq-report.json"; cp "$G/README.md" "$OUT/gptq-model-card.md"
 rm -rf "$WORK/cache/reference-ppl"
-step gptq0 $PY -m quantize run "$WORK/r/h200-qwen7b-gptq-g128.yaml" --out "$WORK/art" --force
+step gptq0 $PY -m pipeline run "$WORK/r/h200-qwen7b-gptq-g128.yaml" --out "$WORK/art" --force
 cp "$G/report.json" "$OUT/gptq-cold-report.json"
 
 $PY - "$WORK/steps.tsv" "$OUT" "$CKPT_BYTES" <<'EOF'

@@ -8,9 +8,7 @@ computes with, so scoring this model scores the artifact itself, not pre-pack fa
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -18,80 +16,8 @@ import torch
 from safetensors import safe_open
 
 from quantize.formats import awq_gemm, compressed_tensors, gptq
+from quantize.manifest import ArtifactError
 from quantize.primitives import dequantize
-
-
-class ArtifactError(ValueError):
-    pass
-
-
-def verify_manifest(path: Path) -> bool:
-    """Check the artifact against its manifest -> True; False if there is no manifest (another tool's directory).
-
-    An artifact is a closed set: every file it holds is listed in the manifest (`files`, plus the eval report's
-    `report` hashes) with its sha256, nothing else is in the directory, nothing is a symlink, and no listed name
-    leads outside it. Raises ArtifactError naming each file that breaks this: such an artifact is refused.
-    """
-    from quantize.export import MANIFEST, sha256_file
-
-    root = Path(path)
-    mpath = root / MANIFEST
-    if mpath.is_symlink():
-        raise ArtifactError(f"{root}: refused, {MANIFEST} is a symlink")
-    if not mpath.is_file():
-        return False
-    try:
-        m = json.loads(mpath.read_text(encoding="utf-8"))
-        expected = {str(name): rec["sha256"] for name, rec in m.get("files", {}).items()}
-        expected.update({str(n): h for n, h in m.get("report", {}).items() if n != "passed"})
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise ArtifactError(f"{root}: refused, {MANIFEST} is not a valid manifest ({type(e).__name__}); "
-                            f"re-create the artifact with make quantize") from None
-    bad = _unlisted(root, set(expected) | {MANIFEST})
-    base = root.resolve()
-    inside = {n for n in expected if not (Path(n).is_absolute() or ".." in Path(n).parts
-                                          or base not in (root / n).resolve().parents)}
-    regular = sorted(n for n in inside if not (root / n).is_symlink() and (root / n).is_file())
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # shards in parallel: GBs each
-        actual = dict(zip(regular, pool.map(lambda n: sha256_file(root / n), regular)))
-    for name, sha in sorted(expected.items()):
-        if name not in inside:
-            bad.append(f"{name} (its path leads outside the artifact)")
-        elif (root / name).is_symlink():
-            continue  # named by _unlisted
-        elif name not in actual:
-            bad.append(f"{name} (missing)")
-        elif actual[name] != sha:
-            bad.append(f"{name} (sha256 differs from the manifest)")
-    if bad:
-        shown = bad[:10] + ([f"and {len(bad) - 10} more"] if len(bad) > 10 else [])
-        raise ArtifactError(f"{root}: refused, the manifest does not verify: {', '.join(shown)}")
-    return True
-
-
-def files_fingerprint(manifest: dict) -> str:
-    """sha256 over the (name, sha256) pairs of an artifact's files, its model card excepted (the eval rewrites
-    that): a report records the one it scored, so a report can never vouch for files it did not see."""
-    import hashlib
-
-    pairs = sorted((n, rec["sha256"]) for n, rec in manifest.get("files", {}).items() if n != "README.md")
-    return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()
-
-
-def _unlisted(root: Path, listed: set[str]) -> list[str]:
-    """Entries under root that a closed artifact may not hold: symlinks, special files, files not listed."""
-    bad = []
-    for dirpath, dirnames, filenames in os.walk(root):  # does not follow symlinked directories
-        for n in sorted(dirnames + filenames):
-            p = Path(dirpath) / n
-            rel = str(p.relative_to(root))
-            if p.is_symlink():
-                bad.append(f"{rel} (a symlink, to {os.readlink(p)})")
-            elif n in filenames and not p.is_file():
-                bad.append(f"{rel} (not a regular file)")
-            elif n in filenames and rel not in listed:
-                bad.append(f"{rel} (not listed in the manifest)")
-    return bad
 
 
 def safetensors_files(path: Path) -> list[Path]:

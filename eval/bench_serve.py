@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 from quantize import serve_config, source
-from quantize.export import MANIFEST
+from quantize.manifest import MANIFEST
 
 from .serve import INT4_MISSING, ROOT, Server
 from .vllm_run import VllmError, root_cause, vllm_env

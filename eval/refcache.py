@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from quantize.export import atomic_write_text
+from quantize.files import atomic_write_text
 from quantize.source import TOKENIZER_FILES, cache_dir
 
 log = logging.getLogger(__name__)

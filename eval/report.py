@@ -1,14 +1,13 @@
-"""The eval stage: perplexity FP16 vs quantized, vLLM smoke-load, optional lm-eval -> report.json / report.md.
+"""The eval stage: perplexity FP16 vs quantized, vLLM smoke-load, optional lm-eval -> the report (a dict) and
+its markdown. The pipeline writes them into the artifact.
 
 Works on any vLLM-loadable directory (ours or another tool's): the quantized model is decoded from the
 artifact's packed tensors; the FP16 reference is the base model (from our manifest, or given).
-The report's sha256 is recorded in the artifact's manifest (rewritten atomically).
 """
 
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import logging
 import math
@@ -27,17 +26,17 @@ import torch
 
 from quantize import modelcard, source
 from quantize.calib import hub_offline
-from quantize.export import MANIFEST, atomic_write_text, sha256_file
+from quantize import manifest as manifest_file
 
 from . import refcache
-from .artifact import files_fingerprint, load_dequantized, verify_manifest
+from .artifact import load_dequantized
 from .perplexity import Protocol, batch_windows, load_eval_text, perplexity, protocol_record, windows
 from .smoke import smoke, vllm_unavailable
 
 log = logging.getLogger(__name__)
 
 
-def _machine() -> str:
+def machine() -> str:
     cpu = platform.processor() or platform.machine()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return f"{platform.machine()} {cpu}, {os.cpu_count()} cores, {gpu}"
@@ -169,7 +168,7 @@ def _context(artifact: Path, base_spec: str, manifest: dict, compute_dtype, cach
 
 def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.dtype | None = None,
              cache: dict | None = None) -> dict:
-    """Run the whole eval stage on `artifact` -> report dict (also written into the artifact).
+    """Run the whole eval stage on `artifact` -> the report (`pipeline.stages.evaluate` writes it into the artifact).
 
     On the device that quantized it (CUDA: the artifact's 16-bit dtype; CPU: float32), one model on the device
     at a time: vLLM's smoke-load first (a child process), then the reference (only if the smoke test needs it
@@ -178,7 +177,7 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     model's files are resolved and hashed once.
     """
     artifact = Path(artifact)
-    manifest = json.loads((artifact / MANIFEST).read_text()) if (artifact / MANIFEST).is_file() else {}
+    manifest = manifest_file.read(artifact)
     base_spec = base_spec or manifest.get("model", {}).get("spec")
     if not base_spec:
         raise ValueError(f"{artifact}: no manifest names its base model; pass --base <model spec>")
@@ -193,14 +192,14 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     # three independent waits side by side: hashing the artifact's shards (verify), the reference's files (the
     # cache key) and tokenizing the eval text; nothing reads the artifact's weights before verify succeeds
     with ThreadPoolExecutor(max_workers=2) as pool:
-        verifying = pool.submit(verify_manifest, artifact)  # refuses a tampered artifact, naming the file
+        verifying = pool.submit(manifest_file.verify, artifact)  # refuses a tampered artifact, naming the file
         hashing = pool.submit(_hash_reference, ctx["shared"], timings)
         text, where = load_eval_text(popts.dataset)
         wins = windows(ctx["tokenizer"], text, proto)
         verified = verifying.result()
         hashing.result()
     if verified:  # the manifest as verified, for the fingerprint of the files this eval scores
-        manifest = json.loads((artifact / MANIFEST).read_text())
+        manifest = manifest_file.read(artifact)
     record = protocol_record(proto, text, where, wins)
     ctx["batch"] = batch_windows(device, proto.seq_len)
     log.info("eval on %s in %s: %d windows of %d tokens from %s, %d per forward", refcache.device_kind(device),
@@ -246,14 +245,13 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
               "host_rss_peak_scope": "eval stage" if peak_reset else "process lifetime",
               "device_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     report = {
-        "artifact": str(artifact), "manifest_verified": verified, "files_scored": files_fingerprint(manifest),
+        "artifact": str(artifact), "manifest_verified": verified, "files_scored": manifest_file.files_fingerprint(manifest),
         "base_model": base_spec,
         "reference_dtype": scored["dtype"], "scored_on": scored,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": _machine(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
         "perplexity": ppl, "gates": gates, "vllm_smoke": smoke_res, "lm_eval": lm,
         "quantize_timings_s": manifest.get("timings_s"), "eval_timings_s": timings, "passed": passed,
     }
-    write_report(artifact, report)
     return report
 
 
@@ -283,7 +281,7 @@ def render_markdown(r: dict) -> str:
                       f"chat answer: {json.dumps((s.get('chat') or {}).get('content'))}; a wrong model name: "
                       f"{s.get('wrong_name', 'not tried')}"]
         if s["checks"].get("loaded"):
-            lines += [f"", f"Method `{s.get('method')}` (artifact declares `{s['expected_method']}`); kernels: "
+            lines += [f"Method `{s.get('method')}` (artifact declares `{s['expected_method']}`); kernels: "
                       f"{', '.join(s.get('kernels') or ['not logged'])}; load {s.get('load_s')} s; "
                       f"{s.get('tokens_per_s')} generated tokens/s; teacher-forced agreement with FP16: "
                       f"{s.get('token_agreement')}", "", "| prompt | completion |", "|---|---|"]
@@ -295,25 +293,3 @@ def render_markdown(r: dict) -> str:
     lines += ["", "## lm-eval", "", "```", json.dumps(r["lm_eval"], indent=1)[:2000], "```", "",
               "## Timings (s)", "", f"quantize: {r['quantize_timings_s']}", "", f"eval: {r['eval_timings_s']}", ""]
     return "\n".join(lines)
-
-
-def write_report(artifact: Path, report: dict) -> None:
-    """report.json + report.md into the artifact; their sha256 into manifest.json (each write atomic)."""
-    atomic_write_text(artifact / "report.json", json.dumps(report, indent=2) + "\n")
-    atomic_write_text(artifact / "report.md", render_markdown(report))
-    mpath = artifact / MANIFEST
-    if mpath.is_file():
-        m = json.loads(mpath.read_text())
-        m["report"] = {n: sha256_file(artifact / n) for n in ("report.json", "report.md")}
-        m["report"]["passed"] = report["passed"]
-        if "recipe" in m:  # our artifact: its model card gains the measured numbers
-            atomic_write_text(artifact / "README.md", modelcard.render(m, report))
-            m.setdefault("files", {})["README.md"] = {"sha256": sha256_file(artifact / "README.md"),
-                                                      "bytes": (artifact / "README.md").stat().st_size}
-        atomic_write_text(mpath, json.dumps(m, indent=2) + "\n")
-
-
-def report_hash_ok(artifact: Path) -> bool:
-    m = json.loads((Path(artifact) / MANIFEST).read_text())
-    return all(hashlib.sha256((Path(artifact) / n).read_bytes()).hexdigest() == h
-               for n, h in m.get("report", {}).items() if n != "passed")

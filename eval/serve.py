@@ -28,7 +28,7 @@ import httpx
 
 from quantize import serve_config
 
-from .vllm_run import VllmError, _cuda_build, root_cause, vllm_env
+from .vllm_run import VllmError, cuda_build, root_cause, vllm_env
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_MEMORY_FRACTION = 0.3  # the CPU build reserves this share of host RAM (VLLM.md)
@@ -55,7 +55,7 @@ def server_command(model_dir: Path, port: int, host: str = "127.0.0.1", extra: d
     if cfg is not None:
         cmd += ["--config", str(Path(model_dir) / serve_config.SERVE_CONFIG)]
     flags = dict(extra or {})
-    if not _cuda_build():
+    if not cuda_build():
         flags.setdefault("gpu-memory-utilization", CPU_MEMORY_FRACTION)
         if cfg is not None:
             qcfg = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config") or {}
@@ -63,7 +63,7 @@ def server_command(model_dir: Path, port: int, host: str = "127.0.0.1", extra: d
                 flags.setdefault(key, value)
     for key, value in flags.items():
         cmd += [f"--{key}", str(value)]
-    if eager if eager is not None else not _cuda_build():
+    if eager if eager is not None else not cuda_build():
         # no graph capture / torch.compile: on the CPU build start-up takes ~20 s instead of ~70 s; on CUDA,
         # serving and benchmarks keep CUDA graphs unless asked
         cmd.append("--enforce-eager")
@@ -242,7 +242,7 @@ INT4_MISSING = ("vLLM's CPU build on this processor (no AVX-512: its AVX2 librar
 def int4_kernel_missing() -> str | None:
     """Why vLLM on this host cannot run a 4-bit linear, or None. The CPU build's AVX2 library (processors
     without AVX-512) has no `cpu_gemm_wna16`, so 4-bit models load and then fail on their first request."""
-    if _cuda_build():
+    if cuda_build():
         return None
     probe = ("import torch\nfrom vllm.platforms import current_platform\ncurrent_platform.import_kernels()\n"
              "print(hasattr(torch.ops._C, 'cpu_gemm_wna16'))")

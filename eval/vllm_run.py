@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 
 class VllmError(RuntimeError):
     pass
@@ -48,7 +50,7 @@ def run_vllm(model_dir: Path, token_ids: list[list[int]], top_k: int = 5, max_to
     there while vLLM runs).
     """
     if memory_fraction is None:
-        memory_fraction = 0.85 if _cuda_build() else 0.3
+        memory_fraction = 0.85 if cuda_build() else 0.3
     with tempfile.TemporaryDirectory(prefix="vllm-run-") as work_s:
         work = Path(work_s)
         (work / "prompts.json").write_text(json.dumps(
@@ -69,9 +71,8 @@ def run_vllm(model_dir: Path, token_ids: list[list[int]], top_k: int = 5, max_to
         return result
 
 
-def _cuda_build() -> bool:
-    import torch
-
+def cuda_build() -> bool:
+    """Whether this torch is a CUDA build with a device (vLLM then serves on CUDA, not the CPU)."""
     return torch.cuda.is_available()
 
 
@@ -127,8 +128,6 @@ def _child(model: str, prompts_path: str, out_path: str) -> None:
               seed=0, max_num_seqs=8, gpu_memory_utilization=spec["gpu_memory_utilization"])
     load_s = time.perf_counter() - t0
     from vllm.platforms import current_platform
-
-    import torch
 
     device = torch.cuda.get_device_name(0) if current_platform.is_cuda() else current_platform.device_type
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["token_ids"]]

@@ -18,6 +18,9 @@ import json
 import logging
 import os
 import random
+import threading
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,10 +106,6 @@ def _from_file(path: Path, column: str) -> list[str]:
 
 def hub_unreachable(timeout: float = HUB_PROBE_S) -> str | None:
     """Why the Hugging Face hub cannot be reached (within `timeout` seconds, name lookup included), or None."""
-    import threading
-    import urllib.error
-    import urllib.request
-
     from huggingface_hub import constants
 
     outcome: list[str | None] = []

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn as nn
 from .arch import Arch, decoder_layers, get_module
-from .preflight import PreflightError
+from .device import Uploader, clock, device_copy, release_cache
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +50,6 @@ def _map(obj, fn):
 
 def _to(obj, device):
     return _map(obj, lambda t: t.to(device))
-
-
-def clock(device: torch.device) -> float:
-    """Wall clock after the device has finished its queued work (sub-stage timings on CUDA)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 class _Recorder(nn.Module):
@@ -97,9 +88,9 @@ def first_layer_inputs(
     # 7B model's 1.1 GB embedding back to pageable memory cost ~1 s on an H200 host). The rotary module keeps
     # its buffers' dtype (float32 inv_freq, as the model computes and serves its positions). The decoder layers
     # are replaced by recorders for the same time: no layer computes anything here.
-    swapped = [(arch.embed, _device_copy(get_module(model, arch.embed), device, dtype))]
+    swapped = [(arch.embed, device_copy(get_module(model, arch.embed), device, dtype))]
     if arch.rotary:
-        swapped.append((arch.rotary, _device_copy(get_module(model, arch.rotary), device, None)))
+        swapped.append((arch.rotary, device_copy(get_module(model, arch.rotary), device, None)))
     swapped += [(f"{arch.layers}.{i}", _Recorder(i, i == len(layers) - 1, captured)) for i in range(len(layers))]
     originals = [(path, _swap(model, path, copy_)) for path, copy_ in swapped]
     base = model.get_submodule(arch.layers.rsplit(".", 1)[0])  # the decoder stack (e.g. model.model)
@@ -243,7 +234,7 @@ def run_shared(
     -> (notes saying where that happened, seconds per part of the pass summed over layers)
     """
     layers = decoder_layers(model, arch)
-    p = _SharedPass(arch, device, compute_dtype, feature_names, jobs, _Uploader(layers, device))
+    p = _SharedPass(arch, device, compute_dtype, feature_names, jobs, Uploader(layers, device))
     start_at = 0
     if any(j.propagate != "none" for j in jobs):
         p.inputs, p.layer_kwargs = first_layer_inputs(model, arch, samples, device, compute_dtype, batch_size)
@@ -265,50 +256,6 @@ def run_shared(
     return p.notes, seconds
 
 
-# Hand the allocator's cached blocks back to CUDA after every layer? Not by default: measured on an H200 (7B shape)
-# keeping them was faster (AWQ 0.874 -> 0.858 s per layer, GPTQ 0.448 -> 0.441) with a lower peak reserved (AWQ
-# 24.5 -> 23.7 GiB), as every layer asks for the same block sizes. A guard still releases the cache when more than
-# CACHE_SLACK_SHARE of the device's memory sits reserved but unused at a layer's end (once seen: a new CUDA stream
-# per layer made the allocator keep a pool per stream, 138.6 GiB reserved for 16.3 GiB allocated).
-EMPTY_CACHE_PER_LAYER = False
-CACHE_SLACK_SHARE = 0.10
-
-
-# The CUDA allocator's expandable segments (one growing mapping per stream, not fixed-size blocks that fragment):
-# AWQ on the 7B shape reserved 24.52 GiB with the default allocator and 20.86 with these, for the same 17.1 GiB
-# allocated (llm-compressor: 22.26), at 27.52 vs 28.11 s (H200, docs/BENCHMARKS.md, change 21). Set for this
-# process only, at run time: the environment variable would reach the vLLM the eval starts.
-CUDA_ALLOCATOR = "expandable_segments:True"
-ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
-
-
-def configure_allocator(device: torch.device) -> str | None:
-    """Use CUDA_ALLOCATOR for this process's CUDA allocations unless the user set ALLOC_ENV -> the settings in
-    force (for the manifest), None off CUDA. Call before the run's first CUDA allocation."""
-    if device.type != "cuda":
-        return None
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
-        torch.cuda.memory._set_allocator_settings  # torch >= 2.9; before: the cuda one
-    if ALLOC_ENV in os.environ:
-        user = os.environ[ALLOC_ENV]
-        try:  # parsed again here, so that a typo stops the run before the model loads, not at its first tensor
-            setter(user)
-        except (ValueError, RuntimeError) as e:
-            raise PreflightError(f"{ALLOC_ENV}={user!r} is not a setting torch's CUDA allocator accepts ({e}); "
-                                 f"correct it, or unset it to use {CUDA_ALLOCATOR}") from e
-        log.info("CUDA allocator: %s=%r (set by the user, kept)", ALLOC_ENV, user)
-        return user
-    setter(CUDA_ALLOCATOR)
-    log.info("CUDA allocator: %s (%s unset)", CUDA_ALLOCATOR, ALLOC_ENV)
-    return CUDA_ALLOCATOR
-
-
-def _release_cache(device: torch.device) -> None:
-    slack = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    if EMPTY_CACHE_PER_LAYER or slack > CACHE_SLACK_SHARE * torch.cuda.get_device_properties(device).total_memory:
-        torch.cuda.empty_cache()
-
-
 def _layers(p: "_SharedPass", layers, start_at: int, start: float, checkpointer, jobs, device) -> None:
     p.uploader.request(start_at, p.dtype)
     for i in range(start_at, len(layers)):
@@ -320,72 +267,14 @@ def _layers(p: "_SharedPass", layers, start_at: int, start: float, checkpointer,
         if checkpointer is not None and checkpointer.due(i, total):
             checkpointer.save(i, jobs, _to(p.inputs, "cpu"), {n: _to(c, "cpu") for n, c in p.chains.items()})
         if device.type == "cuda":
-            _release_cache(device)
-
-
-def _device_copy(module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
-    """The module with its floating tensors on `device` in `dtype` (None: their own); the original is not
-    moved or changed.
-
-    Where device and dtype already match, the copy shares the original's storage (CPU in float32): the
-    single-job pass then modifies the model's layer in place, as it always did.
-    """
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, dtype if dtype is not None and t.is_floating_point() else t.dtype)
-
-    memo: dict[int, object] = {}
-    for p in module.parameters():
-        memo[id(p)] = nn.Parameter(cast(p.detach()), requires_grad=False)
-    for b in module.buffers():
-        memo[id(b)] = cast(b)
-    return copy.deepcopy(module, memo)
-
-
-class _Uploader:
-    """Device copies of decoder layers, the next one made on a side CUDA stream by a worker thread while the
-    current layer is worked on (profile, H200, 7B shape: ~0.1 s per layer of host-to-device copies that the
-    GPU otherwise waits for). On other devices the copy is made when asked for, as before."""
-
-    def __init__(self, layers, device: torch.device):
-        self.layers, self.device = layers, device
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="upload") if device.type == "cuda" else None
-        self.stream = torch.cuda.Stream(device) if self.pool is not None else None
-        self.pending: dict[int, tuple[torch.dtype, Future]] = {}
-
-    def request(self, i: int, dtype: torch.dtype) -> None:
-        """Start copying layer i (if there is one) in the background."""
-        if self.pool is not None and i < len(self.layers) and i not in self.pending:
-            self.pending[i] = (dtype, self.pool.submit(self._copy, i, dtype))
-
-    def _copy(self, i: int, dtype: torch.dtype) -> nn.Module:
-        with torch.cuda.stream(self.stream):
-            m = _device_copy(self.layers[i], self.device, dtype)
-        self.stream.synchronize()  # the copy is complete before the main stream sees it
-        return m
-
-    def get(self, i: int, dtype: torch.dtype) -> nn.Module:
-        """Layer i on the device in dtype (the background copy when it was made for this dtype)."""
-        dt, fut = self.pending.pop(i, (None, None))
-        if fut is not None:
-            m = fut.result()
-            if dt == dtype:
-                main = torch.cuda.current_stream(self.device)
-                for t in [*m.parameters(), *m.buffers()]:
-                    t.record_stream(main)  # the allocator must not hand this memory to the side stream too early
-                return m
-        return _device_copy(self.layers[i], self.device, dtype)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-            self.pending.clear()
+            release_cache(device)
 
 
 class _SharedPass:
     """The state `run_shared` carries from layer to layer: FP-chain inputs, private chains, the compute dtype."""
 
     def __init__(self, arch: Arch, device: torch.device, dtype: torch.dtype, feature_names: list[str], jobs,
-                 uploader: _Uploader):
+                 uploader: Uploader):
         self.arch, self.device, self.dtype, self.names, self.jobs = arch, device, dtype, feature_names, jobs
         self.uploader = uploader
         self.inputs: list[torch.Tensor] = []

@@ -18,7 +18,8 @@ import torch.nn as nn
 from . import awq, gptq
 from .arch import Arch, active_scale_groups, layer_prefix
 from .capture import LayerData, NumericalError, feed_inputs
-from .capture import clock as _clock
+from .device import clock as _clock
+from .device import gptq_sweep, side_stream
 from .primitives import dequantize, quantize, quantize_for_export
 
 log = logging.getLogger(__name__)
@@ -205,7 +206,9 @@ def _awq_round(data: LayerData, arch: Arch, names: list[str], ranges: dict, gram
         problems.append((torch.cat([layer.get_submodule(n).weight.data for n in group]), acc.H))
         cat_grids.append(tuple(torch.cat([grids[n][i] for n in group]) for i in (0, 1)))
     gspec = dataclasses.replace(gptq_spec(recipe, scale_dtype), act_order=True)  # static groups: the clip grid
-    for group, r in zip(shared, gptq.gptq_quantize_many(problems, gspec, cat_grids)):
+    dev = problems[0][0].device
+    solved = gptq.gptq_quantize_many(problems, gspec, cat_grids, gptq_sweep(recipe.gptq.kernel, dev), side_stream(dev))
+    for group, r in zip(shared, solved):
         rows = [layer.get_submodule(n).weight.shape[0] for n in group]
         for n, codes, scales, zeros in zip(group, *(t.split(rows) for t in (r.codes, r.scales, r.zeros))):
             _store(layer, n, prefix, codes.contiguous(), scales.to(scale_dtype).contiguous(), zeros.contiguous(),
@@ -255,7 +258,7 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
 def gptq_spec(recipe, scale_dtype: torch.dtype) -> gptq.GptqSpec:
     o = recipe.gptq
     return gptq.GptqSpec(recipe.w_bit, recipe.q_group_size, not recipe.zero_point, o.block_size, o.damp_percent,
-                         o.act_order, scale_dtype, o.kernel, o.update)
+                         o.act_order, scale_dtype, o.update)
 
 
 def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype: torch.dtype,
@@ -268,6 +271,7 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
     spec = gptq_spec(recipe, scale_dtype)
     stats: dict = {}
     device = data.inputs[0].device
+    sweep = gptq_sweep(opts.kernel, device)
     seconds = {"hessian": 0.0, "sweep": 0.0}
     losses: dict[str, torch.Tensor] = {}  # read back once per layer, not once per linear (each read waits)
     for stage in stages:
@@ -284,7 +288,8 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
         weights = [[layer.get_submodule(n).weight.data for n in shared] for shared in groups]
         # one sweep over the row-concatenated weights of each group; independent groups (one-pass Hessians)
         # overlap on CUDA
-        solved = gptq.gptq_quantize_many([(torch.cat(w), accs[k].H) for w, k in zip(weights, keys)], spec)
+        solved = gptq.gptq_quantize_many([(torch.cat(w), accs[k].H) for w, k in zip(weights, keys)], spec,
+                                         sweep=sweep, side=side_stream(device))
         for shared, ws, r in zip(groups, weights, solved):
             rows = [w.shape[0] for w in ws]
             parts = zip(*([p.clone() for p in t.split(rows)] for t in (r.codes, r.scales, r.zeros, r.row_loss)))

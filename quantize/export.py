@@ -8,27 +8,24 @@ file, so a reader can verify the artifact before trusting it.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
 import shutil
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import yaml
 from safetensors.torch import save_file
 
+from . import manifest
+from .files import fsync_path
 from .preflight import human_bytes
 from .recipe import parse_size
 
 log = logging.getLogger(__name__)
-
-MANIFEST = "manifest.json"
-
 
 class OutputExistsError(FileExistsError):
     pass
@@ -84,29 +81,6 @@ def check_finite(tensors: dict[str, torch.Tensor], origin: str) -> None:
             f"`compute_dtype: float32` in the recipe")
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` through a fsynced sibling temp file and a rename: readers see the old or the new
-    file, never a part."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -136,14 +110,6 @@ def write_sharded(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: 
     return [*names, "model.safetensors.index.json"]
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _readable(root: Path) -> None:
     """Files as the user's umask allows (safetensors writes 0600): a registry or server reads them later."""
     umask = os.umask(0)
@@ -151,23 +117,6 @@ def _readable(root: Path) -> None:
     for p in root.rglob("*"):
         os.chmod(p, (0o755 if p.is_dir() else 0o644) & ~umask)
     os.chmod(root, 0o755 & ~umask)
-
-
-def file_hashes(root: Path, sync: bool = False) -> dict[str, dict]:
-    """Every file under root except the manifest -> {sha256, bytes}, shards hashed in parallel threads (hashlib
-    releases the GIL, and a 7B artifact is several GB). sync: also fsync each file once hashed, in the same
-    thread, so one shard's write-back overlaps another's hashing."""
-    files = [p for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST]
-
-    def one(p: Path) -> str:
-        digest = sha256_file(p)
-        if sync:
-            _fsync(p)
-        return digest
-
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        digests = list(pool.map(one, files))
-    return {str(p.relative_to(root)): {"sha256": h, "bytes": p.stat().st_size} for p, h in zip(files, digests)}
 
 
 def temp_name(out: Path) -> str:
@@ -189,11 +138,10 @@ def atomic_write_dir(out: Path, fill: Callable[[Path], dict], force: bool = Fals
     tmp.mkdir()
     try:
         extras = fill(tmp)
-        manifest = {**extras, "files": file_hashes(tmp, sync=True)}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        manifest.write(tmp, extras)
         _readable(tmp)
-        for p in [tmp / MANIFEST, *(d for d in tmp.rglob("*") if d.is_dir()), tmp]:
-            _fsync(p)
+        for p in [tmp / manifest.MANIFEST, *(d for d in tmp.rglob("*") if d.is_dir()), tmp]:
+            fsync_path(p)
         _swap_in(tmp, out)
     except BaseException as e:
         written = _tree_bytes(tmp)

@@ -22,9 +22,8 @@ Dead inputs (diag H = 0: never activated) get H[i, i] = 1 and W[:, i] = 0.
 
 from __future__ import annotations
 
-import importlib
 import logging
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +42,6 @@ class GptqSpec:
     damp: float = 0.01
     act_order: bool = False
     scale_dtype: torch.dtype = torch.float32  # scales are rounded to the stored dtype before codes are chosen
-    kernel: str = "auto"  # in-block column sweep: torch | triton | auto (triton on CUDA when it imports)
     update: str = "float32"  # cross-block update's matmul: float32 | tf32 (10-bit operands; see `lazy_update`)
 
 
@@ -132,11 +130,6 @@ def _factor_launch(H: torch.Tensor, lam: float, textbook: bool) -> tuple[torch.T
     """One attempt of `_feedback_factor` at dampening λ -> (A, t, ok), ok a 0-dim bool tensor: the
     factorisation succeeded and A, t are finite. The host waits once, for the dampening scalar; the
     factorisation itself is only queued (on the current stream)."""
-    from . import warmup
-
-    # torch loads its CUDA linear-algebra library on the first call, not thread-safely ("lazy wrapper should be
-    # called at most once" on an H200 when the background warm-up's first Cholesky ran at the same time)
-    warmup.wait()
     Hd = H.clone()
     Hd.diagonal().add_(lam * torch.mean(torch.diagonal(H)).item())  # H + λ·mean(diag H)·I
     L, info = torch.linalg.cholesky_ex(Hd.flip(0, 1))
@@ -196,27 +189,6 @@ def _static_qparams(W: torch.Tensor, g: int, spec: GptqSpec) -> tuple[torch.Tens
     return s.to(spec.scale_dtype).float(), z
 
 
-def _choose_kernel(spec: GptqSpec, W: torch.Tensor) -> str:
-    """The sweep to run: spec.kernel, with `auto` = triton when W is on CUDA and triton imports, else torch."""
-    if spec.kernel == "torch":
-        return "torch"
-    if spec.kernel not in ("auto", "triton"):
-        raise ValueError(f"gptq kernel {spec.kernel!r} is unknown; use auto, torch or triton")
-    interpret = spec.kernel == "triton" and os.environ.get("TRITON_INTERPRET") == "1"  # CPU emulation, for tests
-    if W.device.type != "cuda" and not interpret:
-        why = f"the tensors are on {W.device.type}; the Triton kernel needs CUDA (or TRITON_INTERPRET=1)"
-    else:
-        try:
-            importlib.import_module(f"{__package__}.gptq_triton")  # imports triton; honours sys.modules
-
-            return "triton"
-        except ImportError as e:
-            why = f"triton does not import ({e})"
-    if spec.kernel == "triton":
-        raise RuntimeError(f"gptq.kernel triton was asked for but cannot run: {why}; set gptq.kernel: torch or auto")
-    return "torch"
-
-
 @dataclass
 class _Problem:
     """One linear (or row-stacked linears sharing H) ready for the sweep: weights and H in visiting order."""
@@ -260,21 +232,17 @@ def _prepare(W: torch.Tensor, H: torch.Tensor, spec: GptqSpec, grid: tuple | Non
     return _Problem(W[:, perm], H[perm][:, perm], scales, zeros, perm, gidx, g, int(dead.sum()))
 
 
-def _solve(p: _Problem, spec: GptqSpec, first: tuple | None = None) -> GptqResult:
+def _solve(p: _Problem, spec: GptqSpec, sweep: Sweep, first: tuple | None = None) -> GptqResult:
     A, t, lam = _feedback_factor(p.H, spec.damp, textbook=not spec.act_order, first=first)
     p.H = None  # free it before the sweep
-    kernel = _choose_kernel(spec, p.W)
-    if kernel == "triton":  # the warm-up, which may compile this kernel, has finished (`_factor_launch` waited)
-        from .gptq_triton import sweep_triton as sweep
-    else:
-        sweep = _sweep_torch
     W0 = p.W.clone() if spec.act_order else p.W  # d_i = W0_i − q_i: the weights before any feedback (LDLQ)
-    codes, row_loss = sweep(p.W, W0, A, t, p.scales, p.zeros, p.gidx, p.g, spec)  # codes in visiting order
+    codes, row_loss = sweep.run(p.W, W0, A, t, p.scales, p.zeros, p.gidx, p.g, spec)  # codes in visiting order
     inv = torch.argsort(p.perm)
-    return GptqResult(codes[:, inv].contiguous(), p.scales, p.zeros, lam, p.dead, row_loss, kernel)
+    return GptqResult(codes[:, inv].contiguous(), p.scales, p.zeros, lam, p.dead, row_loss, sweep.name)
 
 
-def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: GptqSpec, grid: tuple | None = None) -> GptqResult:
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: GptqSpec, grid: tuple | None = None,
+                  sweep: Sweep | None = None) -> GptqResult:
     """W: [out, in], H: [in, in] -> codes [out, in], scales/zeros [out, in // g] (or [out, 1] for g = -1).
 
     grid: (scales, zeros) [out, in // g] to round on instead of the weights' own min/max (static groups:
@@ -282,35 +250,25 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, spec: GptqSpec, grid: tuple 
     Rows are independent given H: quantizing a row-concatenation of linears that share H gives exactly
     the codes of separate calls (one sweep instead of several).
     """
-    return _solve(_prepare(W, H, spec, grid), spec)
-
-
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One side stream per device for the whole process. The caching allocator keeps a pool per stream: a new
-    stream per layer left each layer's freed factorisation blocks unusable by the next (H200, 7B shape, one
-    pass: 138.6 GiB reserved for 16.3 GiB allocated)."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+    return _solve(_prepare(W, H, spec, grid), spec, sweep or TORCH_SWEEP)
 
 
 def gptq_quantize_many(problems: list[tuple[torch.Tensor, torch.Tensor]], spec: GptqSpec,
-                       grids: list[tuple | None] | None = None) -> list[GptqResult]:
+                       grids: list[tuple | None] | None = None, sweep: Sweep | None = None,
+                       side: "torch.cuda.Stream | None" = None) -> list[GptqResult]:
     """Several independent (W, H) problems (e.g. every linear of a layer whose Hessians came from one
     forward), with optional grids (see `gptq_quantize`) -> their results, each exactly what `gptq_quantize` gives.
 
-    On CUDA the widest problem's factorisation (down_proj's 18944² Cholesky: 0.09 s on an H200) is queued
-    on a side stream first and runs while the others are factorised and swept on the main stream.
+    side: a CUDA stream (`device.side_stream`): the widest problem's factorisation (down_proj's 18944² Cholesky:
+    0.09 s on an H200) is queued on it first and runs while the others are factorised and swept on the main
+    stream. sweep: the column sweep (`device.gptq_sweep`; default the torch one).
     """
     grids = grids or [None] * len(problems)
-    if len(problems) < 2 or not problems[0][0].is_cuda:
-        return [gptq_quantize(W, H, spec, grid) for (W, H), grid in zip(problems, grids)]
+    sweep = sweep or TORCH_SWEEP
+    if len(problems) < 2 or side is None or not problems[0][0].is_cuda:
+        return [gptq_quantize(W, H, spec, grid, sweep) for (W, H), grid in zip(problems, grids)]
     big = max(range(len(problems)), key=lambda i: problems[i][1].shape[0])
     main = torch.cuda.current_stream(problems[big][0].device)
-    side = _side_stream(problems[big][0].device)
     p_big = _prepare(*problems[big], spec, grids[big])
     side.wait_stream(main)
     with torch.cuda.stream(side):
@@ -321,9 +279,9 @@ def gptq_quantize_many(problems: list[tuple[torch.Tensor, torch.Tensor]], spec: 
     out: list[GptqResult | None] = [None] * len(problems)
     for i, (W, H) in enumerate(problems):
         if i != big:
-            out[i] = gptq_quantize(W, H, spec, grids[i])
+            out[i] = gptq_quantize(W, H, spec, grids[i], sweep)
     main.wait_stream(side)
-    out[big] = _solve(p_big, spec, first=first)
+    out[big] = _solve(p_big, spec, sweep, first=first)
     return out
 
 
@@ -406,3 +364,15 @@ def _sweep_torch(W: torch.Tensor, W0: torch.Tensor, A: torch.Tensor, t: torch.Te
         row_loss += Err1.pow(2).sum(dim=1) / 2
         lazy_update(W, i2, D1, A[i1:i2], spec)
     return codes, row_loss
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """An in-block column sweep: `run(W, W0, A, t, scales, zeros, gidx, g, spec) -> (codes, row_loss)`; every
+    sweep gives the same codes (`_sweep_torch` is the reference; `device.gptq_sweep` picks one)."""
+
+    name: str
+    run: Callable
+
+
+TORCH_SWEEP = Sweep("torch", _sweep_torch)

@@ -13,8 +13,8 @@ tensors, but x * fl32(1/d) where torch on CUDA divides by a Python scalar d (as 
 round-half-to-even (as torch.round); no fused multiply-add (`enable_fp_fusion=False`), since torch rounds
 the product and the difference separately; and the lazy update's matmul called on operands of the same
 layout as in the torch sweep (cuBLAS may sum in another order for another layout). The lazy cross-block
-update is the torch sweep's own (`gptq.lazy_update`). This module imports triton: `gptq` imports it only
-when the Triton sweep is wanted, so CPU-only installs without triton keep the torch sweep.
+update is the torch sweep's own (`gptq.lazy_update`). This module imports triton: `device.gptq_sweep` imports it
+only when the Triton sweep is wanted, so CPU-only installs without triton keep the torch sweep.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .gptq import _block_start_qparams, lazy_update
 
 BLOCK_ROWS = 16  # rows per program: [16, 128] fp32 tile = 16 registers per thread at 4 warps
 _SCALE_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -129,8 +131,6 @@ def sweep_triton(W: torch.Tensor, W0: torch.Tensor, A: torch.Tensor, t: torch.Te
     """Drop-in for `gptq._sweep_torch`: W [out, in] visiting order, W0 its values before any update, A [in, in]
     upper, t [in], scales/zeros [out, n_group] read or filled in -> codes [out, in] uint8 (visiting order),
     row_loss [out]."""
-    from .gptq import _block_start_qparams, lazy_update
-
     out_f, in_f = W.shape
     assert W.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()
     block = triton.next_power_of_2(spec.block_size)

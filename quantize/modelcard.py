@@ -112,7 +112,7 @@ def render(manifest: dict, report: dict | None = None) -> str:
                                          ("tensor-parallel sizes", m.get("tensor_parallel_sizes")))],
         "", "## Evaluation", "", *_evaluation(report), "",
         "## Integrity and reproduction", "",
-        "`manifest.json` lists the sha256 of every file; `python -m eval --artifact <dir>` and the registry refuse "
+        "`manifest.json` lists the sha256 of every file; `python -m pipeline eval --artifact <dir>` and the registry refuse "
         "the directory if any file differs. `recipe.yaml` is the resolved recipe; re-run it with "
         f"`make quantize RECIPE={m['artifact']}` (quantize git commit `{(m.get('git') or {}).get('commit')}`).", ""]
     return f"---\n{fm}---\n\n" + "\n".join(body)

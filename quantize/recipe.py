@@ -422,7 +422,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     if "sweep" in raw:
         n = len(expand_sweep(raw.get("sweep"), path))
         raise RecipeError(f"{path.stem} is a sweep of {n} variants; run it with `make compare RECIPES={path.stem}` "
-                          f"(python -m quantize compare {path.stem})")
+                          f"(python -m pipeline compare {path.stem})")
     return _validate(raw, path)
 
 

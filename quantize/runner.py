@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from . import calib, export, integrity, modelcard, serve_config, source, warmup
+from . import calib, export, integrity, modelcard, serve_config, source
 from .arch import Arch, arch_for
-from .capture import configure_allocator, run_shared
+from .capture import run_shared
+from .device import configure_allocator
 from .checkpoint import Checkpointer, fingerprint
-from .engine import DTYPES, Job, feature_names, gptq_spec, is_skipped, propagation
+from .engine import DTYPES, Job, feature_names, is_skipped, propagation
 from .pack import pack_all
 from .lock import output_lock
 from .paths import check_output_parent, child
@@ -85,13 +86,13 @@ class Checked:
     cuda_allocator: str | None = None  # the CUDA allocator settings the run used (`capture.configure_allocator`)
 
 
-def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Timings, warm: bool = False) -> Checked:
+def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Timings, run: bool = False) -> Checked:
     """Every check that needs no weights, in timed stages `preflight` and `calibrate` -> Checked.
 
     Output present (without force), untrusted custom code or pickle-only weights, unsupported architecture,
     shapes the format or vLLM's kernels cannot take, too little free disk for all outputs, too little
     calibration text: each raises its own error with what to change, before the model is loaded.
-    warm: once the checks have passed, start warming the compute device (`warmup`) for the run that follows.
+    run: a run follows (not `preflight_only`): the CUDA allocator is configured once the checks have passed.
     """
     if len({share_key(r) for r in recipes}) != 1:
         diff = [k for k in SHARED_KEYS if len({repr(r.to_dict()[k]) for r in recipes}) > 1]
@@ -119,10 +120,8 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
         log.info("pre-flight: %s free on the output's disk; computing on %s in %s", human_bytes(free), device,
                  str(compute_dtype).removeprefix("torch."))
     checked = Checked(src, config, arch, plans, device, compute_dtype, free)
-    if warm:
-        checked.cuda_allocator = configure_allocator(device)  # before the warm-up's first CUDA allocation
-        warmup.start(device, compute_dtype, [gptq_spec(r, DTYPES[r.dtype]) for r in recipes if r.method == "gptq"],
-                     warmup.head_dim(config))
+    if run:
+        checked.cuda_allocator = configure_allocator(device)  # before the run's first CUDA allocation
     if any(r.method in ("awq", "gptq") for r in recipes):
         with timings.stage("calibrate"):
             checked.samples, checked.calib_record = _calibration(first, src)
@@ -185,15 +184,12 @@ def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: b
             if not locked:
                 locks.enter_context(output_lock(out))
             export.remove_stale(out)  # what a killed run of this output left; no live run can own it now
-        try:
-            return _run_many(recipes, outs, force)
-        finally:
-            warmup.wait()  # the device warm-up started by pre-flight leaves no thread behind
+        return _run_many(recipes, outs, force)
 
 
 def _run_many(recipes: list[Recipe], outs: list[Path], force: bool) -> list[Path]:
     timings = Timings()
-    pf = preflight(recipes, outs, force, timings, warm=True)
+    pf = preflight(recipes, outs, force, timings, run=True)
     first, device, compute_dtype = recipes[0], pf.device, pf.compute_dtype
     dtype = DTYPES[first.dtype]
     with timings.stage("load"):

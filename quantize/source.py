@@ -21,8 +21,11 @@ from pathlib import Path
 
 import torch
 
+from safetensors import SafetensorError, safe_open
+
+from .arch import check_gguf_architecture
 from .calib import hub_offline
-from .export import sha256_file
+from .files import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +118,6 @@ def gguf_architecture(gguf: Path, spec: str) -> str:
     or written); ModelSourceError for a file that is not GGUF, UnsupportedArchitecture for a model we cannot take."""
     from gguf import GGUFReader
 
-    from .arch import check_gguf_architecture
-
     try:
         field = GGUFReader(str(gguf)).fields["general.architecture"]
         name = bytes(field.parts[field.data[0]]).decode("utf-8")
@@ -154,8 +155,6 @@ def gguf_to_dir(gguf: Path) -> tuple[Path, str]:
 def _cache_damage(target: Path, sha: str) -> str | None:
     """What is wrong with a GGUF conversion cache -> a phrase, or None when it is complete (source.json names
     this GGUF, config.json parses, every safetensors header matches its file's size)."""
-    from safetensors import SafetensorError, safe_open
-
     try:
         if json.loads((target / "source.json").read_text())["sha256"] != sha:
             return "source.json names another GGUF file"

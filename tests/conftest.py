@@ -143,3 +143,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "vllm" in item.keywords and "vllm_no_4bit" not in item.keywords:
             item.add_marker(skip)
+
+
+def eval_main(argv: list[str]) -> int:
+    """`quantize eval ARGS` in-process -> its exit code."""
+    from pipeline.cli import main
+
+    return main(["eval", *argv])

@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eval.artifact import ArtifactError, verify_manifest
-from eval.cli import main as eval_main
-from eval.report import evaluate, write_report
-from quantize import registry, runner
-from quantize.cli import main as cli_main
+from quantize.manifest import ArtifactError, verify as verify_manifest
+from tests.conftest import eval_main
+from pipeline.stages import evaluate, write_report
+from pipeline import registry
+from quantize import runner
+from pipeline.cli import main as cli_main
 from quantize.recipe import EvalOptions
 from tests.conftest import tiny_recipe
 

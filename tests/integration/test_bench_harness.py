@@ -32,7 +32,6 @@ def test_bench_ours_reads_every_stage_and_layer(tiny_qwen2, tmp_path):
     assert set(first["stage mlp.down_proj"]) == {"hessian", "sweep"} and first["jobs"] > 0
     assert list(rec["timeline_s"])[:2] == ["preflight start", "preflight done"]
     assert rec["timeline_s"]["load done"] <= rec["timeline_s"]["quantize start"] < rec["timeline_s"]["quantize done"]
-    assert rec["warmup"] == {}  # CUDA only
     assert rec["weights_sha256"] and all(len(h) == 64 for h in rec["weights_sha256"].values())  # runs comparable
     # llm-compressor's worker hashes its blocks the same way: equal hashes mean equal token blocks
     tok = AutoTokenizer.from_pretrained(tiny_qwen2)

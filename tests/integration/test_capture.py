@@ -46,7 +46,7 @@ def test_each_layer_gets_the_kwargs_the_stack_hands_it(tmp_path):
 def test_cache_released_only_when_much_sits_unused(monkeypatch):
     from types import SimpleNamespace
 
-    from quantize import capture
+    from quantize import device
 
     released = []
     gib = 2**30
@@ -55,35 +55,31 @@ def test_cache_released_only_when_much_sits_unused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: state["allocated"])
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=140 * gib))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(True))
-    capture._release_cache(torch.device("cuda"))  # 10 GiB unused of 140: kept for the next layer
+    device.release_cache(torch.device("cuda"))  # 10 GiB unused of 140: kept for the next layer
     assert released == []
     state["reserved"] = 40 * gib  # 20 GiB unused: more than 10 % of the device
-    capture._release_cache(torch.device("cuda"))
+    device.release_cache(torch.device("cuda"))
     assert released == [True]
-    monkeypatch.setattr(capture, "EMPTY_CACHE_PER_LAYER", True)
-    state["reserved"] = 21 * gib
-    capture._release_cache(torch.device("cuda"))
-    assert released == [True, True]
 
 
 def test_allocator_expandable_on_cuda_unless_the_user_chose(monkeypatch):
-    from quantize import capture
+    from quantize import device
 
     calls = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
-    monkeypatch.delenv(capture.ALLOC_ENV, raising=False)
-    assert capture.configure_allocator(torch.device("cpu")) is None and calls == []
-    assert capture.configure_allocator(torch.device("cuda")) == "expandable_segments:True"
+    monkeypatch.delenv(device.ALLOC_ENV, raising=False)
+    assert device.configure_allocator(torch.device("cpu")) is None and calls == []
+    assert device.configure_allocator(torch.device("cuda")) == "expandable_segments:True"
     assert calls == ["expandable_segments:True"]
     # the user's PYTORCH_CUDA_ALLOC_CONF wins (applied as written, which checks it) and the manifest records it
-    monkeypatch.setenv(capture.ALLOC_ENV, "expandable_segments:False")
-    assert capture.configure_allocator(torch.device("cuda")) == "expandable_segments:False"
+    monkeypatch.setenv(device.ALLOC_ENV, "expandable_segments:False")
+    assert device.configure_allocator(torch.device("cuda")) == "expandable_segments:False"
     assert calls == ["expandable_segments:True", "expandable_segments:False"]
     # an older torch without the accelerator-wide setter: the CUDA one
-    monkeypatch.delenv(capture.ALLOC_ENV)
+    monkeypatch.delenv(device.ALLOC_ENV)
     monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings")
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda s: calls.append(("cuda", s)))
-    capture.configure_allocator(torch.device("cuda"))
+    device.configure_allocator(torch.device("cuda"))
     assert calls[-1] == ("cuda", "expandable_segments:True")
 
 
@@ -91,11 +87,11 @@ def test_a_mistyped_allocator_setting_stops_the_run_in_preflight(monkeypatch):
     # torch's own parser (this CPU build has it too) rejects the value; the message names the variable
     import pytest
 
-    from quantize import capture
+    from quantize import device
     from quantize.preflight import PreflightError
 
-    monkeypatch.setenv(capture.ALLOC_ENV, "expandable_segments:maybe")
+    monkeypatch.setenv(device.ALLOC_ENV, "expandable_segments:maybe")
     with pytest.raises(PreflightError, match=r"PYTORCH_CUDA_ALLOC_CONF='expandable_segments:maybe' is not a "
                                              r"setting .*correct it, or unset it"):
-        capture.configure_allocator(torch.device("cuda"))
-    assert capture.configure_allocator(torch.device("cpu")) is None  # off CUDA the variable is not ours to check
+        device.configure_allocator(torch.device("cuda"))
+    assert device.configure_allocator(torch.device("cpu")) is None  # off CUDA the variable is not ours to check

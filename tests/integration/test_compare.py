@@ -5,8 +5,8 @@ import json
 import pytest
 import yaml
 
-from eval.artifact import verify_manifest
-from eval.compare import default_name, run_comparison, sizes
+from quantize.manifest import verify as verify_manifest
+from pipeline.compare import default_name, run_comparison, sizes
 from quantize import runner
 from quantize.modelcard import protocol_sentence
 from quantize.recipe import load_recipe

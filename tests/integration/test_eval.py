@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from eval.cli import main as eval_main
+from tests.conftest import eval_main
 from eval.perplexity import Protocol, perplexity, windows
-from eval.report import report_hash_ok
+from quantize.manifest import report_hash_ok
 from quantize import runner
 from tests.conftest import write_recipe
 
@@ -63,7 +63,7 @@ def test_gate_fails_with_numbers(smollm2_rtn, capsys, tmp_path):
     assert eval_main([str(recipe), "--artifact", str(bad), "--no-vllm"]) == 2
     assert "model.safetensors (sha256 differs from the manifest)" in capsys.readouterr().err
     # a badly quantized but intact artifact: re-hash it into its manifest, then the gate must catch it
-    from quantize.export import sha256_file
+    from quantize.files import sha256_file
 
     m = json.loads((bad / "manifest.json").read_text())
     m["files"]["model.safetensors"]["sha256"] = sha256_file(bad / "model.safetensors")
@@ -104,7 +104,7 @@ def test_smoke_passes_then_corrupted_artifact_fails(artifact, capsys, tmp_path):
     shutil.copytree(out, bad)
     data = (bad / "model.safetensors").read_bytes()
     (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
-    from eval.report import write_report  # noqa: F401  (report goes into the bad copy)
+    from pipeline.stages import write_report  # noqa: F401  (report goes into the bad copy)
     from eval.smoke import smoke
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -10,11 +10,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eval import refcache, report
-from eval.cli import main as eval_main
+from tests.conftest import eval_main
 from eval.perplexity import Protocol, protocol_record, windows
 from quantize import runner
-from quantize.cli import main as quantize_main
-from quantize.export import sha256_file
+from pipeline import stages
+from pipeline.cli import main as quantize_main
+from quantize.files import sha256_file
 from quantize.recipe import EvalOptions
 from tests.conftest import build_tiny_model, tiny_recipe
 
@@ -188,13 +189,13 @@ def test_vllm_asked_for_the_artifacts_dtype(evaluated, monkeypatch, tmp_path):
     monkeypatch.setattr(report, "vllm_unavailable", lambda: None)  # as on a host whose vLLM serves 4-bit
     monkeypatch.setattr(refcache, "cache_dir", lambda: tmp_path)
     eopts = EvalOptions(perplexity=dict(dataset="wikitext2", seq_len=128, max_windows=2))
-    r = report.evaluate(art, None, eopts)
+    r = stages.evaluate(art, None, eopts)
     assert asked["dtype"] == "bfloat16" and r["vllm_smoke"]["dtype"] == "bfloat16" and not r["passed"]
     monkeypatch.setattr(report, "vllm_unavailable", lambda: "vllm not importable")
-    r = report.evaluate(art, None, eopts)
+    r = stages.evaluate(art, None, eopts)
     assert r["vllm_smoke"] == {"skipped": "vllm not importable"}
     assert "vLLM smoke-load: skipped (vllm not importable)" in (art / "README.md").read_text()
-    from quantize import registry
+    from pipeline import registry
 
     with pytest.raises(registry.RegistryError, match=r"vLLM never loaded it \(vllm not importable\)"):
         registry.check_artifact(art)
@@ -256,7 +257,7 @@ def test_smoke_skips_where_vllm_cannot_serve_4bit(monkeypatch):
 
 def test_eval_and_register_wait_for_the_outputs_lock(evaluated, capsys):
     """A run holding the output's lock (a --force re-run, say) keeps eval and register off the artifact."""
-    from quantize.cli import main as quantize_cli
+    from pipeline.cli import main as quantize_cli
     from quantize.lock import output_lock
 
     out, recipe = evaluated
@@ -270,14 +271,14 @@ def test_eval_and_register_wait_for_the_outputs_lock(evaluated, capsys):
 def test_register_refuses_a_report_of_other_files(evaluated, tmp_path, monkeypatch):
     """An eval that scored one artifact and wrote its report into a re-made one (the race a lock-free eval lost)
     cannot vouch for the new files: register refuses, naming the fix."""
-    from eval.report import write_report
-    from quantize import registry
+    from pipeline.stages import write_report
+    from pipeline import registry
 
     out, _ = evaluated
     monkeypatch.setattr(refcache, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(report, "vllm_unavailable", lambda: None)
     monkeypatch.setattr(report, "smoke", lambda *a, **k: {"passed": True, "checks": {}, "errors": []})
-    r = report.evaluate(out, None, EvalOptions(perplexity=dict(dataset="wikitext2", seq_len=128, max_windows=2),
+    r = stages.evaluate(out, None, EvalOptions(perplexity=dict(dataset="wikitext2", seq_len=128, max_windows=2),
                                                 max_ppl_delta_pct=None))
     registry.check_artifact(out)  # the report matches its files
     remade = tmp_path / "remade"

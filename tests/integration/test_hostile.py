@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from safetensors import SafetensorError
 
-from quantize import cli, export, runner
+from pipeline import cli
+from quantize import export, runner
 from tests.conftest import ROOT, tiny_recipe
 
 
@@ -163,7 +164,8 @@ def test_debug_shows_the_traceback(tiny_llama, tmp_path):
 
 DRIVER = """
 import sys, time
-from quantize import cli, export
+from pipeline import cli
+from quantize import export
 real = export.write_sharded
 def slow(*a, **k):
     names = real(*a, **k)
@@ -432,7 +434,7 @@ def test_perplexity_window_longer_than_the_text(tiny_llama, tmp_path, capsys):
     assert rc == 2 and re_match(r"error: eval: perplexity text '.*short.txt' has \d+ tokens, fewer than one window of "
                                 r"2048; lower eval.perplexity.seq_len or use a longer eval.perplexity.dataset$", msg)
     assert (tmp_path / "a" / "ev" / "manifest.json").is_file()  # the artifact itself was written and stays
-    from eval.cli import main as eval_main
+    from tests.conftest import eval_main
 
     assert eval_main([str(recipe), "--out", str(tmp_path / "a"), "--no-vllm"]) == 2
     assert "fewer than one window of 2048; lower eval.perplexity.seq_len" in capsys.readouterr().err

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from quantize import runner
 from quantize.capture import NumericalError
-from quantize.cli import main as cli_main
+from pipeline.cli import main as cli_main
 from tests.conftest import build_tiny_model, tiny_recipe
 
 

@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
-from eval.cli import main as eval_main
-from quantize import registry
-from quantize.cli import main as cli_main
+from tests.conftest import eval_main
+from pipeline import registry
+from pipeline.cli import main as cli_main
 
 pytestmark = pytest.mark.vllm  # only artifacts that vLLM loaded are registered
 
@@ -60,7 +60,7 @@ def test_tampered_failed_and_unevaluated_artifacts_are_refused(evaluated, sqlite
     rep = json.loads((failed / "report.json").read_text())
     rep.update(passed=False, gates={**rep["gates"], "passed": False,
                                     "failures": ["perplexity delta 9.0 > eval.max_ppl_delta 1.0"]})
-    from eval.report import write_report
+    from pipeline.stages import write_report
 
     write_report(failed, rep)  # a consistent, verified artifact whose eval failed
     with pytest.raises(registry.RegistryError, match="its eval failed: perplexity delta 9.0"):

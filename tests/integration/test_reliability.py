@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quantize import calib, cli, export, lock, preflight, runner, source
+from pipeline import cli
+from quantize import calib, export, lock, preflight, runner, source
 from tests.conftest import build_tiny_model, tiny_recipe
 
 

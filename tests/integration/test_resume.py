@@ -24,7 +24,7 @@ def deep_qwen2(tmp_path_factory):
 
 
 def _cmd(recipe: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "quantize", "run", str(recipe), "--out", str(out), "--no-eval"]
+    return [sys.executable, "-m", "pipeline", "run", str(recipe), "--out", str(out), "--no-eval"]
 
 
 def _env() -> dict:
@@ -148,7 +148,8 @@ def test_disk_full_while_saving_a_checkpoint(deep_qwen2, tmp_path, monkeypatch, 
     checkpoint kept, and the rerun resumes from it."""
     import errno
 
-    from quantize import checkpoint, cli
+    from pipeline import cli
+    from quantize import checkpoint
 
     recipe = tiny_recipe(tmp_path, deep_qwen2, name="full", checkpoint_every_s=0, awq=dict(n_grid=2, clip_grid=2))
     real, calls = checkpoint.torch.save, []

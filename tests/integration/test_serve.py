@@ -42,7 +42,7 @@ def test_serve_config_parses_with_vllms_parser(tiny_served):
             engine.tensor_parallel_size, engine.kv_cache_dtype) == ("awq_marlin", ["tiny-chat"], "float16", 512, 1,
                                                                     "auto")
     manifest = json.loads((tiny_served / "manifest.json").read_text())
-    from quantize.export import sha256_file
+    from quantize.files import sha256_file
 
     assert manifest["files"][serve_config.SERVE_CONFIG]["sha256"] == sha256_file(path)
     card = (tiny_served / "README.md").read_text()

@@ -8,6 +8,7 @@ from safetensors import safe_open
 
 from eval.artifact import dequantized_state_dict, load_dequantized
 from quantize import export, runner
+from quantize.files import sha256_file
 from quantize.arch import UnsupportedArchitecture
 from quantize.formats import awq_gemm
 from tests.conftest import heldout_ids, kl_divergence as _kl, build_tiny_model, tiny_recipe
@@ -44,7 +45,7 @@ def test_manifest_hashes_every_file(llama_artifact):
     files = {p.name for p in llama_artifact.iterdir() if p.name != "manifest.json"}
     assert set(m["files"]) == files
     for name, rec in m["files"].items():
-        assert export.sha256_file(llama_artifact / name) == rec["sha256"]
+        assert sha256_file(llama_artifact / name) == rec["sha256"]
     assert m["calibration"]["source"].endswith("groups-merged.txt") and len(m["calibration"]["sha256"]) == 64
     assert {"preflight", "load", "calibrate", "quantize"} <= set(m["timings_s"])
     assert m["versions"]["torch"] and "commit" in m["git"]
@@ -195,7 +196,7 @@ def test_on_indivisible_skip_keeps_layers_16bit(tmp_path):
 def test_manifest_verifies_and_tampering_is_refused(llama_artifact, tmp_path):
     import shutil
 
-    from eval.artifact import ArtifactError, verify_manifest
+    from quantize.manifest import ArtifactError, verify as verify_manifest
 
     assert verify_manifest(llama_artifact) is True
     bad = tmp_path / "bad"

@@ -210,17 +210,21 @@ def test_row_concatenation_equals_separate_calls(case):
 
 
 def test_kernel_choice_on_cpu(monkeypatch):
+    from quantize import device
+
+    cpu = torch.device("cpu")
     w, H, spec = _case_data(SWEEP_CASES[0])
-    assert gptq.gptq_quantize(w, H, spec).kernel == "torch"  # auto on CPU
+    assert gptq.gptq_quantize(w, H, spec).kernel == "torch"  # the reference sweep by default
+    assert device.gptq_sweep("auto", cpu) is gptq.TORCH_SWEEP
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="needs CUDA.*gptq.kernel: torch"):
-        gptq.gptq_quantize(w, H, gptq.GptqSpec(4, 32, True, 64, kernel="triton"))
+        device.gptq_sweep("triton", cpu)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setitem(__import__("sys").modules, "quantize.gptq_triton", None)  # as if triton were missing
     with pytest.raises(RuntimeError, match="triton does not import"):
-        gptq.gptq_quantize(w, H, gptq.GptqSpec(4, 32, True, 64, kernel="triton"))
+        device.gptq_sweep("triton", cpu)
     with pytest.raises(ValueError, match="unknown"):
-        gptq.gptq_quantize(w, H, gptq.GptqSpec(4, 32, True, 64, kernel="cuda"))
+        device.gptq_sweep("cuda", cpu)
 
 
 def test_quantize_many_equals_separate_calls():
@@ -236,9 +240,12 @@ def test_quantize_many_equals_separate_calls():
 
 def test_one_side_stream_per_device(monkeypatch):
     # the caching allocator pools blocks per stream: a fresh stream per layer would strand each layer's blocks
+    from quantize import device
+
     made = []
-    monkeypatch.setattr(gptq, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(device, "_SIDE_STREAMS", {})
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or object())
-    a, b = (gptq._side_stream(torch.device("cuda", 0)) for _ in range(2))
-    c = gptq._side_stream(torch.device("cuda", 1))
+    a, b = (device.side_stream(torch.device("cuda", 0)) for _ in range(2))
+    c = device.side_stream(torch.device("cuda", 1))
     assert a is b and c is not a and len(made) == 2
+    assert device.side_stream(torch.device("cpu")) is None

@@ -13,12 +13,14 @@ import json
 import logging
 import os
 import shutil
+import sqlite3
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .export import MANIFEST, sha256_file
+from quantize.files import sha256_file
+from quantize.manifest import MANIFEST, ArtifactError, files_fingerprint, verify
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +41,6 @@ def tracking_uri() -> str:
 @contextmanager
 def _registry_errors() -> Iterator[None]:
     """A registry database or server that cannot be used -> RegistryError saying which and what to do."""
-    import sqlite3
-
     from mlflow.exceptions import MlflowException
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -57,14 +57,12 @@ def _registry_errors() -> Iterator[None]:
 def _snapshot(artifact: Path, m: dict, into: Path) -> None:
     """Copy the files the manifest lists (never following a symlink) and verify the copy: what is registered
     is exactly what was verified, even if the directory changes meanwhile."""
-    from eval.artifact import ArtifactError, verify_manifest
-
     names = [*m["files"], *(n for n in m.get("report", {}) if n != "passed"), MANIFEST]
     for name in names:
         (into / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(artifact / name, into / name, follow_symlinks=False)
     try:
-        verify_manifest(into)
+        verify(into)
     except ArtifactError as e:
         raise RegistryError(f"{artifact} changed while it was being registered: {e}") from None
 
@@ -94,13 +92,11 @@ def _experiment_id(client, uri: str) -> str:
 
 def check_artifact(artifact: Path) -> tuple[dict, dict]:
     """Refuse anything not fit for a registry -> (manifest, report). Raises RegistryError naming the cause."""
-    from eval.artifact import ArtifactError, verify_manifest
-
     artifact = Path(artifact)
     if not (artifact / MANIFEST).is_file():
         raise RegistryError(f"{artifact}: no {MANIFEST}; only artifacts written by `make quantize` can be registered")
     try:
-        verify_manifest(artifact)
+        verify(artifact)
     except ArtifactError as e:
         raise RegistryError(str(e)) from None
     m = json.loads((artifact / MANIFEST).read_text())
@@ -110,8 +106,6 @@ def check_artifact(artifact: Path) -> tuple[dict, dict]:
     if not report.get("passed") or not m["report"].get("passed"):
         why = report.get("gates", {}).get("failures", []) + report.get("vllm_smoke", {}).get("errors", [])
         raise RegistryError(f"{artifact}: refused, its eval failed: {'; '.join(why) or 'see report.md'}")
-    from eval.artifact import files_fingerprint
-
     if report.get("files_scored") != files_fingerprint(m):
         raise RegistryError(f"{artifact}: refused, its report scored other files than the artifact holds now (it was "
                             f"re-made after that eval); run `make eval RECIPE={m.get('artifact')}` again")

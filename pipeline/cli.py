@@ -1,8 +1,13 @@
-"""Command line: `python -m quantize run <recipe>`, `compare`, `register`, `registry`, `validate`, `list`, `preflight`."""
+"""Command line: `python -m pipeline run <recipe>` (also installed as `quantize`), `eval`, `compare`, `register`,
+`registry`, `validate`, `list`, `preflight`.
+
+Exit codes: 0 done; 2 a user error (one line, `error: ...`); 3 an eval gate or the vLLM smoke test failed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -11,18 +16,21 @@ from pathlib import Path
 
 import torch
 
-from eval.artifact import ArtifactError
+from quantize import runner
+from quantize.arch import UnsupportedArchitecture
+from quantize.calib import CalibrationError
+from quantize.capture import NumericalError
+from quantize.export import DiskFullError, ExportError, NonFiniteTensorError, OutputExistsError
+from quantize.lock import OutputLockedError, output_lock
+from quantize.manifest import ArtifactError
+from quantize.paths import UnsafePathError, check_output_parent, child
+from quantize.preflight import PreflightError
+from quantize.recipe import EvalOptions, RecipeError, list_recipes, load_recipe, load_variants
+from quantize.source import ModelSourceError
 
-from .arch import UnsupportedArchitecture
-from .calib import CalibrationError
-from .capture import NumericalError
-from .export import DiskFullError, ExportError, NonFiniteTensorError, OutputExistsError
-from .lock import OutputLockedError, output_lock
-from .paths import UnsafePathError, check_output_parent, child
-from .preflight import PreflightError
-from .recipe import RecipeError, list_recipes, load_recipe, load_variants
+from . import registry, stages
+from .compare import run_comparison
 from .registry import RegistryError
-from .source import ModelSourceError
 
 # Errors a user can cause: printed as one clear message, exit code 2, no traceback (`--debug` shows it).
 # Anything else is a bug and keeps its traceback.
@@ -47,13 +55,22 @@ INTERRUPTED = ("error: interrupted by {sig}; files being written were removed an
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="on an error, show its traceback, not one line")
-    p = argparse.ArgumentParser(prog="python -m quantize", description=__doc__)
+    p = argparse.ArgumentParser(prog="quantize", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", parents=[common], help="quantize per recipe: recipes/<name>.yaml -> artifacts/<name>/")
     r.add_argument("recipe", help="recipe name (recipes/<name>.yaml) or path to a YAML file")
     r.add_argument("--out", default="artifacts", help="parent directory of the artifact (default: artifacts)")
     r.add_argument("--force", action="store_true", help="replace an existing artifact directory")
     r.add_argument("--no-eval", action="store_true", help="skip the eval stage even if the recipe enables it")
+    e = sub.add_parser("eval", parents=[common],
+                       help="perplexity FP16 vs quantized + vLLM smoke-load -> <artifact>/report.{json,md}; our "
+                            "artifact by recipe name, or any vLLM-loadable directory with --artifact")
+    e.add_argument("recipe", nargs="?", help="recipe name: evaluates artifacts/<name>/ with the recipe's eval block")
+    e.add_argument("--artifact", help="any vLLM-loadable directory (instead of a recipe)")
+    e.add_argument("--base", help="the unquantized model (recipe `model` syntax); default: the manifest's")
+    e.add_argument("--out", default="artifacts", help="parent directory of the artifact (default: artifacts)")
+    e.add_argument("--max-windows", type=int, help="override the perplexity window count")
+    e.add_argument("--no-vllm", action="store_true", help="skip the vLLM smoke-load")
     c = sub.add_parser("compare", parents=[common],
                        help="quantize several recipes (or a sweep recipe) in one shared pass, evaluate each, write "
                             "artifacts/compare-<name>.{md,json,png}")
@@ -85,6 +102,45 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def run_eval(artifact: Path, base: str | None, eopts, cache: dict | None = None) -> int:
+    """The eval stage on one artifact, its report written into it; prints the figures -> exit code 0 or 3."""
+    r = stages.evaluate(artifact, base, eopts, cache=cache)
+    p = r["perplexity"]
+    print(f"perplexity FP16 {p['fp16']['ppl']:.4f}  quantized {p['quantized']['ppl']:.4f}  "
+          f"delta {p['delta']:+.4f} ({p['delta_pct']:+.2f}%)  [{p['protocol']['windows']} x "
+          f"{p['protocol']['seq_len']} tokens]")
+    s = r["vllm_smoke"]
+    if "skipped" in s:
+        print(f"vLLM smoke: skipped ({s['skipped']})")
+    else:
+        print(f"vLLM smoke: {'passed' if s['passed'] else 'FAILED'}; method {s.get('method')}, "
+              f"agreement {s.get('token_agreement')}, load {s.get('load_s')} s, {s.get('tokens_per_s')} tok/s")
+    for e in r["gates"]["failures"] + s.get("errors", []):
+        print(f"FAILED: {e}", file=sys.stderr)
+    print(f"report: {artifact / 'report.md'}")
+    return 0 if r["passed"] else 3
+
+
+def _eval_command(args) -> int:
+    """`eval`: a recipe's artifact with its eval block, or any directory with default options."""
+    if args.recipe:
+        recipe = load_recipe(args.recipe)
+        eopts, artifact = recipe.eval, Path(args.artifact or child(args.out, recipe.name, "recipe name"))
+    elif args.artifact:
+        eopts, artifact = EvalOptions(), Path(args.artifact)
+    else:
+        raise RecipeError("give a recipe name or --artifact DIR")
+    if not (artifact / "config.json").is_file():
+        raise FileNotFoundError(f"{artifact} is not an artifact directory (no config.json); run make quantize first")
+    if args.max_windows:
+        eopts = eopts.model_copy(update={"perplexity": eopts.perplexity.model_copy(
+            update={"max_windows": args.max_windows})})
+    if args.no_vllm:
+        eopts = eopts.model_copy(update={"vllm": eopts.vllm.model_copy(update={"enabled": False})})
+    with output_lock(artifact):  # no quantize run replaces the artifact while it is being scored
+        return run_eval(artifact, args.base, eopts)
+
+
 def is_out_of_memory(e: BaseException) -> bool:
     """torch's CUDA OOM, or a RuntimeError saying so (older torch, other allocators, the CPU allocator)."""
     if isinstance(e, torch.cuda.OutOfMemoryError):
@@ -98,7 +154,7 @@ def oom_message(e: BaseException, recipe_name: str, during_eval: bool = False) -
     first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
     if during_eval:
         return (f"out of memory during eval: {first}\nThe artifact was written; lower the recipe's "
-                f"`eval.perplexity.seq_len`, then rerun `make eval` (or `python -m eval {recipe_name}`).")
+                f"`eval.perplexity.seq_len`, then rerun `make eval` (or `quantize eval {recipe_name}`).")
     try:
         r = load_recipe(recipe_name)
         now = (f" (now: batch_size {r.batch_size}, calibration.n_samples {r.calibration.n_samples}, "
@@ -148,15 +204,14 @@ def _main(args) -> int:
                     failed += 1
                     print(f"INVALID {e}")
             return 1 if failed else 0
+        if args.cmd == "eval":
+            during_eval = True
+            return _eval_command(args)
         if args.cmd == "compare":
-            from eval.compare import run_comparison
-
             doc, code = run_comparison(args.recipes, Path(args.out), args.force, not args.no_eval, args.name)
             print(Path(args.out) / f"compare-{doc['name']}.md")
             return code
         if args.cmd == "register":
-            from . import registry
-
             if not (args.recipe or args.artifact):
                 raise RecipeError("give a recipe name or --artifact DIR")
             artifact = Path(args.artifact) if args.artifact else child(args.out, args.recipe, "recipe name")
@@ -168,29 +223,19 @@ def _main(args) -> int:
                   f"(source {res['source']})")
             return 0
         if args.cmd == "registry":
-            import json
-
-            from . import registry
-
             rows = registry.versions(args.name)
             print(json.dumps(rows, indent=2) if args.json else registry.table(rows))
             return 0
         if args.cmd == "preflight":
-            from .runner import preflight_only
-
-            print(preflight_only(args.recipe, out_root=args.out, force=args.force))
+            print(runner.preflight_only(args.recipe, out_root=args.out, force=args.force))
             return 0
-        from .runner import run
-
         recipe = load_recipe(args.recipe)
         check_output_parent(args.out)
         # one lock over quantize and eval: no other run can replace the artifact while it is being scored
         with output_lock(child(args.out, recipe.name, "recipe name")):
-            out = run(args.recipe, out_root=args.out, force=args.force, locked=True)
+            out = runner.run(args.recipe, out_root=args.out, force=args.force, locked=True)
             print(out)
             if recipe.eval.enabled and not args.no_eval:
-                from eval.cli import run_eval
-
                 during_eval = True
                 return run_eval(out, None, recipe.eval)
         return 0
@@ -199,13 +244,13 @@ def _main(args) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:  # what the eval stage raises for its inputs (as `python -m eval` reports them)
+    except ValueError as e:  # what the eval stage raises for its inputs
         if not during_eval or args.debug:
             raise
         print(f"error: eval: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
-        if args.cmd not in ("run", "preflight") or not is_out_of_memory(e) or args.debug:
+        if args.cmd not in ("run", "preflight", "eval") or not is_out_of_memory(e) or args.debug:
             raise
         print(f"error: {oom_message(e, args.recipe, during_eval)}", file=sys.stderr)
         return 2

@@ -9,14 +9,20 @@ from __future__ import annotations
 import json
 import logging
 import struct
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from quantize.export import MANIFEST
+from quantize import runner
+from quantize.manifest import MANIFEST
 from quantize.modelcard import protocol_sentence
 from quantize.paths import child
+from quantize.recipe import load_variants
 
-from .artifact import PACKED_TENSOR
+from eval.artifact import PACKED_TENSOR
+from eval.report import machine
+
+from .stages import evaluate
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +163,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def write_comparison(name: str, artifacts: list[Path], out_root: Path, extra: dict | None = None) -> dict:
     """compare-<name>.json / .md / .png under out_root -> the JSON document."""
-    from .report import _machine
-
     rows = [row(a) for a in artifacts]
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": _machine(), **(extra or {})}
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(), **(extra or {})}
     doc = {"name": name, **meta, "rows": rows}
     out_root = Path(out_root)
     out_root.mkdir(parents=True, exist_ok=True)
@@ -197,13 +201,6 @@ def run_comparison(recipe_names: list[str], out_root: Path, force: bool = False,
 
     -> (comparison document, exit code: 0, or 3 when any variant's eval gate or vLLM smoke failed).
     """
-    import time
-
-    from quantize import runner
-    from quantize.recipe import load_variants
-
-    from .report import evaluate
-
     variants = [v for n in recipe_names for v in load_variants(n)]  # every variant validated before any load
     name = name or default_name([Path(n).stem for n in recipe_names])
     comparison_stem(out_root, name)  # a --name that leads outside --out is refused before any work

@@ -1,0 +1,28 @@
+"""The stages the pipeline chains over one artifact after it is quantized: evaluate it, then write the report,
+the model card with the measured numbers and the manifest's record of both into the artifact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from quantize import manifest, modelcard
+from quantize.files import atomic_write_text
+
+from eval import report as eval_report
+
+
+def evaluate(artifact: Path, base: str | None, eopts, cache: dict | None = None) -> dict:
+    """The eval stage on `artifact` (see `eval.report.evaluate`), its report written into the artifact -> report."""
+    report = eval_report.evaluate(artifact, base, eopts, cache=cache)
+    write_report(Path(artifact), report)
+    return report
+
+
+def write_report(artifact: Path, report: dict) -> None:
+    """report.json + report.md into the artifact; for our artifacts the model card gains the numbers, and the
+    manifest records the report's hashes and the new card (each write atomic)."""
+    atomic_write_text(artifact / "report.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(artifact / "report.md", eval_report.render_markdown(report))
+    m = manifest.read(artifact)
+    manifest.add_report(artifact, report["passed"], modelcard.render(m, report) if "recipe" in m else None)

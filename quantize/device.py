@@ -1,0 +1,168 @@
+"""The compute device: CUDA allocator settings, layer uploads on a side stream, the side stream GPTQ factorises
+on, the choice of the GPTQ column-sweep kernel, and a clock that waits for queued work.
+
+Everything that knows about CUDA streams, the allocator or Triton lives here; the algorithm files (awq.py,
+gptq.py) take what they need from it as arguments.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.nn as nn
+
+from . import gptq
+from .preflight import PreflightError
+
+log = logging.getLogger(__name__)
+
+
+def clock(device: torch.device) -> float:
+    """Wall clock after the device has finished its queued work (sub-stage timings on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+
+# The allocator's cached blocks are kept from layer to layer (every layer asks for the same block sizes; releasing
+# them after each layer was slower on an H200, 7B shape: AWQ 0.874 vs 0.858 s per layer, with a higher peak
+# reserved). A guard releases them when more than CACHE_SLACK_SHARE of the device's memory sits reserved but unused
+# at a layer's end (a pool per CUDA stream once held 138.6 GiB reserved for 16.3 GiB allocated).
+CACHE_SLACK_SHARE = 0.10
+
+
+# The CUDA allocator's expandable segments (one growing mapping per stream, not fixed-size blocks that fragment):
+# AWQ on the 7B shape reserved 24.52 GiB with the default allocator and 20.86 with these, for the same 17.1 GiB
+# allocated (llm-compressor: 22.26), at 27.52 vs 28.11 s (H200, docs/BENCHMARKS.md). Set for this
+# process only, at run time: the environment variable would reach the vLLM the eval starts.
+CUDA_ALLOCATOR = "expandable_segments:True"
+ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def configure_allocator(device: torch.device) -> str | None:
+    """Use CUDA_ALLOCATOR for this process's CUDA allocations unless the user set ALLOC_ENV -> the settings in
+    force (for the manifest), None off CUDA. Call before the run's first CUDA allocation."""
+    if device.type != "cuda":
+        return None
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+        torch.cuda.memory._set_allocator_settings  # torch >= 2.9; before: the cuda one
+    if ALLOC_ENV in os.environ:
+        user = os.environ[ALLOC_ENV]
+        try:  # parsed again here, so that a typo stops the run before the model loads, not at its first tensor
+            setter(user)
+        except (ValueError, RuntimeError) as e:
+            raise PreflightError(f"{ALLOC_ENV}={user!r} is not a setting torch's CUDA allocator accepts ({e}); "
+                                 f"correct it, or unset it to use {CUDA_ALLOCATOR}") from e
+        log.info("CUDA allocator: %s=%r (set by the user, kept)", ALLOC_ENV, user)
+        return user
+    setter(CUDA_ALLOCATOR)
+    log.info("CUDA allocator: %s (%s unset)", CUDA_ALLOCATOR, ALLOC_ENV)
+    return CUDA_ALLOCATOR
+
+
+def release_cache(device: torch.device) -> None:
+    """After a layer on CUDA: hand cached blocks back when too much sits reserved but unused."""
+    slack = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if slack > CACHE_SLACK_SHARE * torch.cuda.get_device_properties(device).total_memory:
+        torch.cuda.empty_cache()
+
+
+
+def device_copy(module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+    """The module with its floating tensors on `device` in `dtype` (None: their own); the original is not
+    moved or changed.
+
+    Where device and dtype already match, the copy shares the original's storage (CPU in float32): the
+    single-job pass then modifies the model's layer in place, as it always did.
+    """
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, dtype if dtype is not None and t.is_floating_point() else t.dtype)
+
+    memo: dict[int, object] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(cast(p.detach()), requires_grad=False)
+    for b in module.buffers():
+        memo[id(b)] = cast(b)
+    return copy.deepcopy(module, memo)
+
+
+class Uploader:
+    """Device copies of decoder layers, the next one made on a side CUDA stream by a worker thread while the
+    current layer is worked on (profile, H200, 7B shape: ~0.1 s per layer of host-to-device copies that the
+    GPU otherwise waits for). On other devices the copy is made when asked for."""
+
+    def __init__(self, layers, device: torch.device):
+        self.layers, self.device = layers, device
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="upload") if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if self.pool is not None else None
+        self.pending: dict[int, tuple[torch.dtype, Future]] = {}
+
+    def request(self, i: int, dtype: torch.dtype) -> None:
+        """Start copying layer i (if there is one) in the background."""
+        if self.pool is not None and i < len(self.layers) and i not in self.pending:
+            self.pending[i] = (dtype, self.pool.submit(self._copy, i, dtype))
+
+    def _copy(self, i: int, dtype: torch.dtype) -> nn.Module:
+        with torch.cuda.stream(self.stream):
+            m = device_copy(self.layers[i], self.device, dtype)
+        self.stream.synchronize()  # the copy is complete before the main stream sees it
+        return m
+
+    def get(self, i: int, dtype: torch.dtype) -> nn.Module:
+        """Layer i on the device in dtype (the background copy when it was made for this dtype)."""
+        dt, fut = self.pending.pop(i, (None, None))
+        if fut is not None:
+            m = fut.result()
+            if dt == dtype:
+                main = torch.cuda.current_stream(self.device)
+                for t in [*m.parameters(), *m.buffers()]:
+                    t.record_stream(main)  # the allocator must not hand this memory to the side stream too early
+                return m
+        return device_copy(self.layers[i], self.device, dtype)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pending.clear()
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream | None":
+    """One side stream per CUDA device for the whole process (None off CUDA). The caching allocator keeps a pool
+    per stream: a new stream per layer left each layer's freed factorisation blocks unusable by the next (H200,
+    7B shape, one pass: 138.6 GiB reserved for 16.3 GiB allocated)."""
+    if device.type != "cuda":
+        return None
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+def gptq_sweep(kernel: str, device: torch.device) -> gptq.Sweep:
+    """The GPTQ column sweep for `kernel` (auto | torch | triton) on `device`: auto = the Triton kernel on CUDA
+    when triton imports, else torch's. Both give the same codes; Triton's is the fast one on a GPU."""
+    if kernel == "torch":
+        return gptq.TORCH_SWEEP
+    if kernel not in ("auto", "triton"):
+        raise ValueError(f"gptq kernel {kernel!r} is unknown; use auto, torch or triton")
+    interpret = kernel == "triton" and os.environ.get("TRITON_INTERPRET") == "1"  # CPU emulation, for tests
+    if device.type != "cuda" and not interpret:
+        why = f"the tensors are on {device.type}; the Triton kernel needs CUDA (or TRITON_INTERPRET=1)"
+    else:
+        try:
+            from . import gptq_triton  # imports triton, which is optional
+        except ImportError as e:
+            why = f"triton does not import ({e})"
+        else:
+            return gptq.Sweep("triton", gptq_triton.sweep_triton)
+    if kernel == "triton":
+        raise RuntimeError(f"gptq.kernel triton was asked for but cannot run: {why}; set gptq.kernel: torch or auto")
+    return gptq.TORCH_SWEEP

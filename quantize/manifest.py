@@ -1,0 +1,137 @@
+"""The artifact's manifest: written with the sha256 of every file, verified before anything trusts the files,
+and updated when the eval adds its report.
+
+An artifact is a closed set: every file it holds is listed (`files`, plus the eval report's `report` hashes)
+with its sha256, nothing else is in the directory, nothing is a symlink, and no listed name leads outside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .files import atomic_write_text, fsync_path, sha256_file
+
+MANIFEST = "manifest.json"
+CARD = "README.md"  # the model card: re-rendered when the eval adds its numbers, so no report fingerprints it
+REPORT_FILES = ("report.json", "report.md")
+
+
+class ArtifactError(ValueError):
+    pass
+
+
+def read(root: Path) -> dict:
+    """The manifest of an artifact directory -> dict ({} when there is none: another tool's directory)."""
+    path = Path(root) / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def file_hashes(root: Path, sync: bool = False) -> dict[str, dict]:
+    """Every file under root except the manifest -> {sha256, bytes}, shards hashed in parallel threads (hashlib
+    releases the GIL, and a 7B artifact is several GB). sync: also fsync each file once hashed, in the same
+    thread, so one shard's write-back overlaps another's hashing."""
+    files = [p for p in sorted(Path(root).rglob("*")) if p.is_file() and p.name != MANIFEST]
+
+    def one(p: Path) -> str:
+        digest = sha256_file(p)
+        if sync:
+            fsync_path(p)
+        return digest
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(one, files))
+    return {str(p.relative_to(root)): {"sha256": h, "bytes": p.stat().st_size} for p, h in zip(files, digests)}
+
+
+def write(root: Path, extras: dict) -> dict:
+    """Hash (and fsync) every file under root and write the manifest: extras + `files` -> the manifest."""
+    manifest = {**extras, "files": file_hashes(root, sync=True)}
+    (Path(root) / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    return manifest
+
+
+def add_report(root: Path, report_passed: bool, card: str | None) -> None:
+    """Record the eval report's files (and the model card re-rendered with its numbers) in the manifest, each
+    write atomic; call after report.json and report.md are written."""
+    root = Path(root)
+    m = read(root)
+    if not m:
+        return
+    m["report"] = {n: sha256_file(root / n) for n in REPORT_FILES}
+    m["report"]["passed"] = report_passed
+    if card is not None:
+        atomic_write_text(root / CARD, card)
+        m.setdefault("files", {})[CARD] = {"sha256": sha256_file(root / CARD), "bytes": (root / CARD).stat().st_size}
+    atomic_write_text(root / MANIFEST, json.dumps(m, indent=2) + "\n")
+
+
+def report_hash_ok(root: Path) -> bool:
+    """The report files are the ones the manifest recorded."""
+    m = read(root)
+    return all(hashlib.sha256((Path(root) / n).read_bytes()).hexdigest() == h
+               for n, h in m.get("report", {}).items() if n != "passed")
+
+
+def verify(path: Path) -> bool:
+    """Check the artifact against its manifest -> True; False if there is no manifest (another tool's directory).
+    Raises ArtifactError naming each file that breaks the closed set: such an artifact is refused."""
+    root = Path(path)
+    mpath = root / MANIFEST
+    if mpath.is_symlink():
+        raise ArtifactError(f"{root}: refused, {MANIFEST} is a symlink")
+    if not mpath.is_file():
+        return False
+    try:
+        m = json.loads(mpath.read_text(encoding="utf-8"))
+        expected = {str(name): rec["sha256"] for name, rec in m.get("files", {}).items()}
+        expected.update({str(n): h for n, h in m.get("report", {}).items() if n != "passed"})
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ArtifactError(f"{root}: refused, {MANIFEST} is not a valid manifest ({type(e).__name__}); "
+                            f"re-create the artifact with make quantize") from None
+    bad = _unlisted(root, set(expected) | {MANIFEST})
+    base = root.resolve()
+    inside = {n for n in expected if not (Path(n).is_absolute() or ".." in Path(n).parts
+                                          or base not in (root / n).resolve().parents)}
+    regular = sorted(n for n in inside if not (root / n).is_symlink() and (root / n).is_file())
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # shards in parallel: GBs each
+        actual = dict(zip(regular, pool.map(lambda n: sha256_file(root / n), regular)))
+    for name, sha in sorted(expected.items()):
+        if name not in inside:
+            bad.append(f"{name} (its path leads outside the artifact)")
+        elif (root / name).is_symlink():
+            continue  # named by _unlisted
+        elif name not in actual:
+            bad.append(f"{name} (missing)")
+        elif actual[name] != sha:
+            bad.append(f"{name} (sha256 differs from the manifest)")
+    if bad:
+        shown = bad[:10] + ([f"and {len(bad) - 10} more"] if len(bad) > 10 else [])
+        raise ArtifactError(f"{root}: refused, the manifest does not verify: {', '.join(shown)}")
+    return True
+
+
+def files_fingerprint(manifest: dict) -> str:
+    """sha256 over the (name, sha256) pairs of an artifact's files, its model card excepted (the eval rewrites
+    that): a report records the one it scored, so a report can never vouch for files it did not see."""
+    pairs = sorted((n, rec["sha256"]) for n, rec in manifest.get("files", {}).items() if n != CARD)
+    return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()
+
+
+def _unlisted(root: Path, listed: set[str]) -> list[str]:
+    """Entries under root that a closed artifact may not hold: symlinks, special files, files not listed."""
+    bad = []
+    for dirpath, dirnames, filenames in os.walk(root):  # does not follow symlinked directories
+        for n in sorted(dirnames + filenames):
+            p = Path(dirpath) / n
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                bad.append(f"{rel} (a symlink, to {os.readlink(p)})")
+            elif n in filenames and not p.is_file():
+                bad.append(f"{rel} (not a regular file)")
+            elif n in filenames and rel not in listed:
+                bad.append(f"{rel} (not listed in the manifest)")
+    return bad
