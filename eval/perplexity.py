@@ -17,6 +17,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quantize.calib import hub_offline
+from quantize.progress import Progress
+
 log = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -42,8 +45,6 @@ def load_eval_text(dataset: str) -> tuple[str, str]:
     """'wikitext2', 'c4' (hub only: first 1100 documents of the first English validation shard, joined with
     "\n\n") or a local .txt path -> (text, source)."""
     if dataset == "c4":
-        from quantize.calib import hub_offline
-
         if hub_offline():
             raise FileNotFoundError("perplexity dataset 'c4' needs the Hugging Face hub (HF_HUB_OFFLINE=1 is set); "
                                     "use wikitext2 or a local .txt file")
@@ -85,6 +86,7 @@ def perplexity(model, wins: torch.Tensor, batch: int = 1, label: str = "model") 
     device = next(model.parameters()).device
     nll_sum, tokens, per_window = 0.0, 0, []
     t0 = time.perf_counter()
+    progress = Progress(len(wins), f"perplexity {label}", log, "window")
     for start in range(0, len(wins), batch):
         ids = wins[start : start + batch].to(device)  # [b, seq]
         logits = model(input_ids=ids, use_cache=False).logits  # [b, seq, vocab]
@@ -93,9 +95,10 @@ def perplexity(model, wins: torch.Tensor, batch: int = 1, label: str = "model") 
             nll_sum += nll
             tokens += ids.shape[1] - 1
             per_window.append(nll / (ids.shape[1] - 1))
+            progress.step(f"perplexity {label}: window {len(per_window)}/{len(wins)}, running ppl "
+                          f"{_exp(nll_sum / tokens):.4f}", f"ppl {_exp(nll_sum / tokens):.4f}")
         del logits
-        log.info("perplexity %s: window %d/%d, running ppl %.4f", label, len(per_window), len(wins),
-                 _exp(nll_sum / tokens))
+    progress.close()
     return {"ppl": _exp(nll_sum / tokens), "nll_sum": nll_sum,
             "tokens": tokens, "per_window_nll": per_window, "seconds": round(time.perf_counter() - t0, 2)}
 

@@ -1,0 +1,90 @@
+"""The import graph runs one way: pipeline -> eval -> quantize, no circle, no import back up, and the algorithm
+files import neither the device module nor transformers. Read from the source (ast), nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("quantize", "eval", "pipeline")
+LAYER = {"quantize": 0, "eval": 1, "pipeline": 2}  # a package may import its own layer and those below
+ALGORITHMS = ("quantize.awq", "quantize.gptq", "quantize.primitives")
+# Imported inside functions only where a path may not need them and they cost seconds to import (or are
+# optional extras): everything else is imported at the top of its module.
+LAZY_OK = {"transformers", "datasets", "huggingface_hub", "gguf", "mlflow", "sqlalchemy", "matplotlib", "vllm",
+           "compressed_tensors", "quantize.gptq_triton"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for p in (ROOT / pkg).rglob("*.py"):
+            name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, bool]]:
+    """-> (imported module, at module level?) for every import of a module of ours or of a third party."""
+    tree = ast.parse(path.read_text())
+    top = {id(n) for n in tree.body}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        out += [(t, id(node) in top) for t in targets]
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: {t for t, _ in _imports(m, p, modules) if t in modules and t != m} for m, p in modules.items()}
+
+
+def test_no_import_circle():
+    graph, state, stack = _graph(), {}, []
+
+    def visit(m: str) -> None:
+        state[m] = "open"
+        stack.append(m)
+        for t in sorted(graph[m]):
+            assert state.get(t) != "open", f"import circle: {' -> '.join(stack[stack.index(t):] + [t])}"
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_packages_import_down_only():
+    back = [(m, t) for m, ts in _graph().items() for t in ts
+            if LAYER[t.split(".")[0]] > LAYER[m.split(".")[0]]]
+    assert back == [], f"imports that run back up: {back}"
+
+
+def test_algorithms_know_no_device_and_no_transformers():
+    modules = _modules()
+    for m in ALGORITHMS:
+        names = {t for t, _ in _imports(m, modules[m], modules)}
+        bad = {t for t in names if t in ("quantize.device", "quantize.capture") or t.split(".")[0] == "transformers"}
+        assert not bad, f"{m} imports {sorted(bad)}"
+
+
+def test_function_level_imports_are_heavy_or_optional_only():
+    modules = _modules()
+    bad = [(m, t) for m, p in modules.items() for t, at_top in _imports(m, p, modules)
+           if not at_top and t not in LAZY_OK and t.split(".")[0] not in LAZY_OK]
+    assert bad == [], f"imports inside functions (move them to the top): {bad}"
