@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 import yaml
+from huggingface_hub import split_torch_state_dict_into_shards
+from huggingface_hub.constants import SAFETENSORS_INDEX_FILE
 from safetensors.torch import save_file
 
 from . import manifest
@@ -85,29 +87,30 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t` with a storage of exactly its own bytes: huggingface_hub sizes a tensor by its storage and groups
+    tensors that share one, so a view into a larger buffer is copied out (a whole tensor is not)."""
+    t = t.contiguous()
+    return t if t.untyped_storage().nbytes() == _nbytes(t) else t.clone()
+
+
 def write_sharded(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> list[str]:
-    """Write safetensors shards (model.safetensors, or model-0000i-of-0000n + index) -> file names."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        if shards[-1] and size + _nbytes(t) > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += _nbytes(t)
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for fname, shard in zip(names, shards):
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-    total = sum(_nbytes(t) for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return [*names, "model.safetensors.index.json"]
+    """Write safetensors shards (model.safetensors, or model-0000i-of-0000n + index) -> file names.
+
+    huggingface_hub's splitter decides the shards: tensors in name order, a new shard when the next one would
+    pass max_shard_bytes, a tensor larger than that alone in a shard of its own. The index is its format
+    (`metadata.total_size`, `weight_map`), with the weight map in name order.
+    """
+    tensors = {name: _own_storage(tensors[name]) for name in sorted(tensors)}
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_bytes)
+    for fname, names in split.filename_to_tensors.items():
+        save_file({n: tensors[n] for n in names}, str(out / fname), metadata={"format": "pt"})
+    files = list(split.filename_to_tensors)
+    if not split.is_sharded:
+        return files
+    index = {"metadata": split.metadata, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+    (out / SAFETENSORS_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return [*files, SAFETENSORS_INDEX_FILE]
 
 
 def _readable(root: Path) -> None:

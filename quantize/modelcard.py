@@ -1,18 +1,22 @@
 """The artifact's model card: README.md with Hugging Face front matter (written at export, completed by eval).
 
-The front matter carries what a registry or the Hub indexes: base model, library, tags, the quantization
+The front matter is huggingface_hub's `ModelCardData`: base model, license, library, tags, the quantization
 settings and, once evaluated, the measured perplexities as a `model-index` with their protocol. The body says
 how to serve the directory and how it was made. Everything comes from the manifest and the report.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 from pathlib import Path
 
-import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from . import serve_config
+
+log = logging.getLogger(__name__)
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 FORMAT_NAMES = {"awq": "AutoAWQ GEMM (quant_method awq)", "gptq": "GPTQ v1 (quant_method gptq)",
@@ -25,35 +29,72 @@ def _kept_16bit(m: dict) -> list[str]:
     return sorted({*m["recipe"].get("modules_to_not_convert", []), *(m.get("skipped_linears") or {})})
 
 
-def _front_matter(m: dict, report: dict | None) -> dict:
-    r, spec = m["recipe"], m["model"]["spec"]
-    fm: dict = {}
-    if HUB_ID.match(spec):
-        fm["base_model"] = spec
-    fm.update({"library_name": "transformers", "pipeline_tag": "text-generation",
-               "tags": list(dict.fromkeys(["quantized", f"{r['w_bit']}-bit", r["method"], f"w{r['w_bit']}a16",
-                                           f"group-size-{r['q_group_size']}", m["format"]["name"], "vllm",
-                                           "quantize"]))})
-    fm["quantization"] = {
-        "method": r["method"], "bits": r["w_bit"], "group_size": r["q_group_size"], "zero_point": r["zero_point"],
-        "format": m["format"]["name"], "quant_method": m["format"]["quant_method"], "dtype": r["dtype"],
-        "linears_kept_16bit": _kept_16bit(m),
-        "calibration": {k: (m.get("calibration") or {}).get(k) for k in ("dataset", "n_samples", "seq_len", "seed")}
-        if m.get("calibration") else None,
-        "base_model_source": spec, "tool": f"quantize {m.get('versions', {}).get('quantize', '?')}",
-        "git_commit": m.get("git", {}).get("commit")}
+def source_license(model_dir: Path) -> str | None:
+    """The base model's license: its README.md front matter (a Hub snapshot), else `general.license` of the
+    GGUF file a conversion cache was made from (its source.json names it); None when neither says."""
+    model_dir = Path(model_dir)
+    card, converted = model_dir / "README.md", model_dir / "source.json"
+    try:
+        if card.is_file():
+            found = ModelCard.load(card, ignore_metadata_errors=True).data.license
+            if found:
+                return str(found)
+        if converted.is_file():
+            return _gguf_license(Path(json.loads(converted.read_text())["gguf"]))
+    except (OSError, ValueError, KeyError) as e:  # the card only goes without its license line
+        log.warning("could not read the base model's license from %s: %s", model_dir, e)
+    return None
+
+
+def _gguf_license(gguf: Path) -> str | None:
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(gguf)).fields.get("general.license")
+        return bytes(field.parts[field.data[0]]).decode("utf-8") if field is not None else None
+    except Exception as e:  # noqa: BLE001 - the parser's errors on arbitrary bytes are not one type
+        raise ValueError(f"{gguf} is not a readable GGUF file ({e})") from None
+
+
+def _quantization(m: dict) -> dict:
+    r, calib = m["recipe"], m.get("calibration")
+    q = {"method": r["method"], "bits": r["w_bit"], "group_size": r["q_group_size"], "zero_point": r["zero_point"],
+         "format": m["format"]["name"], "quant_method": m["format"]["quant_method"], "dtype": r["dtype"],
+         "linears_kept_16bit": _kept_16bit(m),
+         "calibration": {k: calib.get(k) for k in ("dataset", "n_samples", "seq_len", "seed")} if calib else None,
+         "base_model_source": m["model"]["spec"], "tool": f"quantize {m.get('versions', {}).get('quantize', '?')}",
+         "git_commit": m.get("git", {}).get("commit")}
+    # JSON's types: the card written at export (from the run's values) and at eval (from manifest.json) agree
+    return json.loads(json.dumps(q))
+
+
+def _eval_results(report: dict | None) -> list[EvalResult]:
+    """The report's perplexities as model-index entries (one task and dataset, three metrics)."""
     p = (report or {}).get("perplexity")
-    if p:
-        proto = p["protocol"]
-        fm["model-index"] = [{"name": m["artifact"], "results": [{
-            "task": {"type": "text-generation", "name": "Language modelling"},
-            "dataset": {"name": proto["dataset"], "type": proto["dataset"], "split": "test"},
-            "metrics": [
-                {"type": "perplexity", "name": "perplexity (quantized)", "value": round(p["quantized"]["ppl"], 4)},
-                {"type": "perplexity", "name": "perplexity (FP16 base)", "value": round(p["fp16"]["ppl"], 4)},
-                {"type": "perplexity_delta_pct", "name": "perplexity increase (%)", "value": round(p["delta_pct"], 3)},
-            ]}]}]
-    return fm
+    if not p:
+        return []
+    proto = p["protocol"]
+    where = dict(task_type="text-generation", task_name="Language modelling", dataset_type=proto["dataset"],
+                 dataset_name=proto["dataset"], dataset_split="test")
+    return [EvalResult(**where, metric_type="perplexity", metric_name="perplexity (quantized)",
+                       metric_value=round(p["quantized"]["ppl"], 4)),
+            EvalResult(**where, metric_type="perplexity", metric_name="perplexity (FP16 base)",
+                       metric_value=round(p["fp16"]["ppl"], 4)),
+            EvalResult(**where, metric_type="perplexity_delta_pct", metric_name="perplexity increase (%)",
+                       metric_value=round(p["delta_pct"], 3))]
+
+
+def card_data(m: dict, report: dict | None) -> ModelCardData:
+    """manifest (+ report) -> the card's metadata: what a registry or the Hub indexes."""
+    r, spec = m["recipe"], m["model"]["spec"]
+    results = _eval_results(report)
+    return ModelCardData(
+        base_model=spec if HUB_ID.match(spec) else None, license=m["model"].get("license"),
+        library_name="transformers", pipeline_tag="text-generation",
+        tags=["quantized", f"{r['w_bit']}-bit", r["method"], f"w{r['w_bit']}a16", f"group-size-{r['q_group_size']}",
+              m["format"]["name"], "vllm", "quantize"],
+        model_name=m["artifact"] if results else None, eval_results=results or None,
+        quantization=_quantization(m))
 
 
 def protocol_sentence(proto: dict) -> str:
@@ -95,7 +136,6 @@ def _evaluation(report: dict | None) -> list[str]:
 def render(manifest: dict, report: dict | None = None) -> str:
     """manifest (+ report once evaluated) -> README.md text."""
     m, r = manifest, manifest["recipe"]
-    fm = yaml.safe_dump(_front_matter(m, report), sort_keys=False, allow_unicode=True)
     body = [
         f"# {m['artifact']}", "",
         f"`{m['model']['spec']}` quantized to {r['w_bit']}-bit weights ({r['method'].upper()}, group size "
@@ -115,7 +155,8 @@ def render(manifest: dict, report: dict | None = None) -> str:
         "`manifest.json` lists the sha256 of every file; `python -m pipeline eval --artifact <dir>` and the registry refuse "
         "the directory if any file differs. `recipe.yaml` is the resolved recipe; re-run it with "
         f"`make quantize RECIPE={m['artifact']}` (quantize git commit `{(m.get('git') or {}).get('commit')}`).", ""]
-    return f"---\n{fm}---\n\n" + "\n".join(body)
+    card = ModelCard(f"---\n{card_data(m, report).to_yaml()}\n---\n\n" + "\n".join(body))
+    return str(card)
 
 
 def _serve(m: dict) -> list[str]:

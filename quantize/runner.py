@@ -297,7 +297,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
             "recipe": recipe.to_dict(),
             "model": {"spec": run.src.spec, "resolved": str(run.src.path), "kind": run.src.kind,
                       "gguf_sha256": run.src.origin_sha256, "architecture": run.config.architectures,
-                      "tie_word_embeddings": run.tied},
+                      "tie_word_embeddings": run.tied, "license": modelcard.source_license(run.src.path)},
             "calibration": run.calib_record,
             "quantized_modules": len(job.results),
             "unconverted": sorted(n.removesuffix(".weight") for n in tensors if n.endswith(".weight")),

@@ -1,0 +1,108 @@
+"""The model card is one huggingface_hub reads back: base model, license, tags, and the perplexities as a
+model-index once evaluated; the body keeps the serve, quantization and evaluation sections."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from huggingface_hub import ModelCard
+
+from quantize import modelcard
+
+MANIFEST = {
+    "artifact": "smollm2-awq-g64",
+    "recipe": {"method": "awq", "w_bit": 4, "q_group_size": 64, "zero_point": True, "dtype": "float16",
+               "modules_to_not_convert": ["lm_head"]},
+    "model": {"spec": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0"},
+    "format": {"name": "compressed-tensors", "quant_method": "compressed-tensors"},
+    "calibration": {"dataset": "groups-merged", "n_samples": 128, "seq_len": 512, "seed": 0},
+    "skipped_linears": {"model.layers.0.mlp.down_proj": "in_features not a multiple of the group"},
+    "tensor_parallel_sizes": [1, 2],
+    "versions": {"quantize": "0.1.0"}, "git": {"commit": "abc123"},
+}
+REPORT = {
+    "date": "2026-12-01", "machine": "x86_64, 2 cores", "passed": True, "reference_dtype": "float32",
+    "perplexity": {"protocol": {"dataset": "wikitext-2", "source": "data/wiki.test.raw", "text_sha256": "0" * 64,
+                                "windows": 16, "seq_len": 512, "tokens_scored": 8176},
+                   "fp16": {"ppl": 21.60541}, "quantized": {"ppl": 22.91234}, "delta": 1.30693, "delta_pct": 6.0491},
+    "vllm_smoke": {"skipped": "vllm not importable"},
+}
+TAGS = {"quantized", "4-bit", "awq", "w4a16", "group-size-64", "compressed-tensors", "vllm"}
+
+
+def _load(tmp_path, text: str) -> ModelCard:
+    path = tmp_path / "README.md"
+    path.write_text(text, encoding="utf-8")
+    return ModelCard.load(path)
+
+
+def test_card_before_eval_loads_with_base_model_license_and_tags(tmp_path):
+    card = _load(tmp_path, modelcard.render(MANIFEST))
+    d = card.data
+    assert d.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and d.license == "apache-2.0"
+    assert d.library_name == "transformers" and d.pipeline_tag == "text-generation"
+    assert TAGS <= set(d.tags) and len(d.tags) == len(set(d.tags))
+    assert d.eval_results is None and "model-index" not in d.to_dict()
+    q = d.quantization
+    assert (q["bits"], q["group_size"], q["zero_point"], q["format"]) == (4, 64, True, "compressed-tensors")
+    assert q["linears_kept_16bit"] == ["lm_head", "model.layers.0.mlp.down_proj"]
+    assert q["calibration"] == {"dataset": "groups-merged", "n_samples": 128, "seq_len": 512, "seed": 0}
+    assert card.text.startswith("\n# smollm2-awq-g64\n")
+    for heading in ("## Serve", "## Quantization", "## Evaluation", "## Integrity and reproduction"):
+        assert f"\n{heading}\n" in card.text
+    assert "Not evaluated yet" in card.text
+
+
+def test_card_after_eval_carries_the_perplexities_as_a_model_index(tmp_path):
+    card = _load(tmp_path, modelcard.render(MANIFEST, REPORT))
+    got = {(r.metric_type, r.metric_name): r.metric_value for r in card.data.eval_results}
+    assert got == {("perplexity", "perplexity (quantized)"): 22.9123,
+                   ("perplexity", "perplexity (FP16 base)"): 21.6054,
+                   ("perplexity_delta_pct", "perplexity increase (%)"): 6.049}
+    r = card.data.eval_results[0]
+    assert (r.task_type, r.dataset_type, r.dataset_split) == ("text-generation", "wikitext-2", "test")
+    assert card.data.model_name == "smollm2-awq-g64"
+    assert "| this artifact | 22.9123 | +1.3069 | +6.05 |" in card.text
+
+
+def test_a_local_model_has_no_base_model_and_no_license(tmp_path):
+    m = {**MANIFEST, "model": {"spec": "/models/tiny"}, "calibration": None}
+    d = _load(tmp_path, modelcard.render(m)).data
+    assert d.base_model is None and d.license is None and d.quantization["calibration"] is None
+
+
+def test_source_license_from_a_hub_readme_and_from_a_gguf(tmp_path):
+    import gguf
+
+    hub = tmp_path / "snapshot"
+    hub.mkdir()
+    (hub / "README.md").write_text("---\nlicense: mit\nlibrary_name: transformers\n---\n# a model\n")
+    assert modelcard.source_license(hub) == "mit"
+
+    f = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(f), "llama")
+    w.add_string("general.license", "apache-2.0")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cache = tmp_path / "conversion"
+    cache.mkdir()
+    (cache / "source.json").write_text(json.dumps({"gguf": str(f), "sha256": "x"}))
+    assert modelcard.source_license(cache) == "apache-2.0"
+
+    (cache / "source.json").write_text(json.dumps({"gguf": str(tmp_path / "missing.gguf"), "sha256": "x"}))
+    assert modelcard.source_license(cache) is None
+    assert modelcard.source_license(tmp_path / "nothing-here") is None
+
+
+@pytest.mark.parametrize("report", [None, REPORT])
+def test_front_matter_is_plain_yaml(report):
+    """The front matter reads back with yaml.safe_load (no Python-specific tags) as the card's own data."""
+    import yaml
+
+    text = modelcard.render(MANIFEST, report)
+    front = yaml.safe_load(text.split("---\n")[1])
+    assert front == modelcard.card_data(MANIFEST, report).to_dict()
+    assert list(front)[:5] == ["base_model", "library_name", "license", "pipeline_tag", "tags"]
