@@ -113,13 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("recipe", help="recipe YAML path or name")
     ap.add_argument("--out-root", required=True, help="parent directory of the artifact")
     ap.add_argument("--json", type=Path, required=True, help="where the record is written")
-    ap.add_argument("--empty-cache", action="store_true",
-                    help="experiment: release the CUDA cache after each layer (capture.EMPTY_CACHE_PER_LAYER)")
     args = ap.parse_args(argv)
-    if args.empty_cache:
-        from quantize import capture
-
-        capture.EMPTY_CACHE_PER_LAYER = True
     console = logging.StreamHandler()
     console.setLevel(logging.INFO)  # the DEBUG records below reach LogTimes, not the log
     logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(name)s: %(message)s",

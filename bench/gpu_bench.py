@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                               "put it on every job's PYTHONPATH")
     ap.add_argument("--ours-python", default=sys.executable)
     ap.add_argument("--peer-python", default=sys.executable)
-    ap.add_argument("--ours-extra", default="", help="extra arguments for bench/bench_ours.py (e.g. --empty-cache)")
+    ap.add_argument("--ours-extra", default="", help="extra arguments for bench/bench_ours.py")
     ap.add_argument("--job-timeout", type=int, default=0, help="seconds per job, 0 = none")
     args = ap.parse_args(argv)
     jobs: list[str] = []
