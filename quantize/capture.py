@@ -278,7 +278,7 @@ CACHE_SLACK_SHARE = 0.10
 
 # The CUDA allocator's expandable segments (one growing mapping per stream, not fixed-size blocks that fragment):
 # AWQ on the 7B shape reserved 24.52 GiB with the default allocator and 20.86 with these, for the same 17.1 GiB
-# allocated (llm-compressor: 22.26), at 27.52 vs 28.11 s (H200, docs/BENCHMARKS.md, change 21). Set for this
+# allocated (llm-compressor: 22.26), at 27.52 vs 28.11 s (H200, docs/BENCHMARKS.md, GPU path settings). Set for this
 # process only, at run time: the environment variable would reach the vLLM the eval starts.
 CUDA_ALLOCATOR = "expandable_segments:True"
 ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
@@ -333,7 +333,7 @@ def _device_copy(module: nn.Module, device: torch.device, dtype: torch.dtype | N
     moved or changed.
 
     Where device and dtype already match, the copy shares the original's storage (CPU in float32): the
-    single-job pass then modifies the model's layer in place, as it always did.
+    single-job pass then modifies the model's layer in place.
     """
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, dtype if dtype is not None and t.is_floating_point() else t.dtype)
@@ -349,7 +349,7 @@ def _device_copy(module: nn.Module, device: torch.device, dtype: torch.dtype | N
 class _Uploader:
     """Device copies of decoder layers, the next one made on a side CUDA stream by a worker thread while the
     current layer is worked on (profile, H200, 7B shape: ~0.1 s per layer of host-to-device copies that the
-    GPU otherwise waits for). On other devices the copy is made when asked for, as before."""
+    GPU otherwise waits for). On other devices the copy is made when asked for."""
 
     def __init__(self, layers, device: torch.device):
         self.layers, self.device = layers, device

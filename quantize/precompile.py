@@ -1,13 +1,13 @@
 """Compile the GPTQ sweep's Triton kernel in a child process while this one starts up (CUDA hosts only).
 
-On a machine whose Triton cache is empty the first GPTQ layer waited for the compile (session 4, H200: first
+On a machine whose Triton cache is empty the first GPTQ layer waits for the compile (H200, 7B shape: first
 layer 2.6 s with the compile on the main thread, 4.0 s on the warm-up thread, 1.1 s with a warm cache). The
 command line (`python -m quantize run|compare`) calls `spawn` before it imports torch; the child imports what it
 needs (not transformers), makes the same small GPTQ calls as the warm-up (`warmup.sweeps`) and exits, leaving
 the compiled kernel in Triton's on-disk cache, where the run finds it: importing torch and transformers takes
-the parent several seconds, and the compile finishes within them. Measured in session 5 (docs/BENCHMARKS.md,
-change 20): the run always found the kernel ready and loaded it, but the cold first layer only fell from 1.8 to
-1.6 s; on those machines most of its remaining one-time cost was elsewhere.
+the parent several seconds, and the compile finishes within them. Measured (docs/BENCHMARKS.md, GPU path
+settings): the run always found the kernel ready and loaded it, and the cold first layer took 1.6 s against 1.8 s
+with the compile on the warm-up thread; most of its remaining one-time cost is elsewhere.
 
 This module imports only the standard library: `spawn` must run before torch is imported. The child is
 skipped where it could do harm or no good: no NVIDIA device node, `CUDA_VISIBLE_DEVICES` empty, a GPU in an

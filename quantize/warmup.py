@@ -1,8 +1,8 @@
 """First-use costs of the CUDA path, paid on a background thread while the run tokenizes, loads and captures.
 
-The first decoder layer of a GPU run used to take 1.5 s with a warm Triton cache and 3.2-4.5 s on a fresh
-machine, against 0.5 s for the others (H200, 7B shape, docs/BENCHMARKS.md): library and kernel loading
-(cuBLAS, cuSOLVER, attention), importing triton and, on a fresh machine, compiling the GPTQ sweep kernel.
+Without it the first decoder layer of a GPU run took 1.5 s with a warm Triton cache and 3.2-4.5 s on a fresh
+machine, against 0.5 s for the others (H200, 7B shape): library and kernel loading (cuBLAS, cuSOLVER,
+attention), importing triton and, on a fresh machine, compiling the GPTQ sweep kernel.
 `start` runs small instances of those calls on a daemon thread as soon as pre-flight has passed; GPTQ `wait`s
 for it before its first factorisation (torch loads its CUDA linear-algebra library lazily and not
 thread-safely, and the Triton kernel must not be compiled twice at once), and the run waits for it before
@@ -26,8 +26,8 @@ from . import precompile
 log = logging.getLogger(__name__)
 
 _thread: threading.Thread | None = None
-# What the last warm-up did, for benchmarks (bench/bench_ours.py): when it started and ended (time.time()), the
-# seconds of each part, and how long the run's thread waited for it. Empty when none ran.
+# What the last warm-up did: when it started and ended (time.time()), the seconds of each part, and how long the
+# run's thread waited for it. Empty when none ran.
 outcome: dict = {}
 
 

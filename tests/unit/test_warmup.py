@@ -31,7 +31,7 @@ def test_warm_calls_run_without_error():
                        env=dict(os.environ, TRITON_INTERPRET="1"))
     assert p.returncode == 0, p.stderr
     assert "warm-up done" in p.stderr and "failed" not in p.stderr, p.stderr
-    # each part is timed (bench/bench_ours.py records them)
+    # each part is timed (warmup.outcome)
     assert p.stdout.split() == ["['attention',", "'context',", "'gemm',", "'gptq',", "'precompile_wait']"], p.stdout
 
 
