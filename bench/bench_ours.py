@@ -2,12 +2,12 @@
 
     python bench/bench_ours.py RECIPE.yaml --out-root DIR --json RESULT.json
 
-Records the process's wall time (imports included), the manifest's stage timings
-(preflight/load/calibrate/quantize/export), each decoder layer's time (from the "layer i/N done in X s"
-log records of quantize.capture), the first layers' breakdown (DEBUG records: upload, FP forward, jobs; GPTQ's
-Hessian and sweep per stage), the stage stamps and the CUDA warm-up's parts on one timeline, the peak GPU
-memory of this process (torch.cuda.max_memory_allocated and max_memory_reserved) and its peak RSS. Writes the
-record to --json and prints it as the last line.
+Records the process's wall time (imports included), the run's `quantize.runlog.RunLog` (stage seconds:
+preflight/calibrate/load/quantize/export; per decoder layer its seconds, the pass's parts - device upload, FP
+forward, jobs - and each method stage's seconds: GPTQ's Hessian and sweep per linear group, AWQ's scale
+search, clip and quantize; the device code's own facts under `device`), the peak GPU memory of this process
+(torch.cuda.max_memory_allocated and max_memory_reserved, from the RunLog) and its peak RSS. Writes the record
+to --json and prints it as the last line.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import resource
 import sys
 import time
@@ -31,47 +30,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from quantize import runner  # noqa: E402
+from quantize.runlog import RunLog  # noqa: E402
 
-LAYER_DONE = re.compile(r"layer (\d+)/(\d+) done in ([0-9.]+) s")
-# DEBUG records of quantize.capture / quantize.engine that break a layer's time down (kept for the first layers)
-LAYER_PART = re.compile(r"^layer (\d+) (parts|stage \S+): (.*)$")
-SECONDS = re.compile(r"(\w+) ([0-9.]+) s")
-STAGE = re.compile(r"^stage (\w+): (start|done)")
-FIRST_LAYERS = 2
 PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "pydantic", "compressed-tensors")
-
-
-class LogTimes(logging.Handler):
-    """Collects the per-layer records of the calibration loop (layer, seconds, wall-clock stamp); the stage
-    times (export included) come from the manifest."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.layers: list[dict] = []
-        self.parts: dict[int, dict] = {}  # the first layers' seconds: {"to_device": s, ..., "<stage>": {...}}
-        self.stamps: dict[str, float] = {}  # "<stage> start|done" -> time.time()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if m := LAYER_DONE.search(msg):
-            self.layers.append({"layer": int(m[1]), "of": int(m[2]), "s": float(m[3]), "at": record.created})
-        elif (m := LAYER_PART.match(msg)) and int(m[1]) <= FIRST_LAYERS:
-            seconds = {k: float(v) for k, v in SECONDS.findall(m[3])}
-            layer = self.parts.setdefault(int(m[1]), {})
-            if m[2] == "parts":
-                layer.update(seconds)
-            else:
-                layer[m[2]] = seconds
-        elif m := STAGE.match(msg):
-            self.stamps[f"{m[1]} {m[2]}"] = record.created
-
-    def timeline(self, t_run: float, warm: dict) -> dict:
-        """Stage stamps and the warm-up's start/end in seconds after the run began (time.time() t_run)."""
-        out = {k: round(v - t_run, 3) for k, v in self.stamps.items()}
-        for k in ("started_at", "done_at"):
-            if k in warm:
-                out[f"warmup {k.removesuffix('_at')}"] = round(warm[k] - t_run, 3)
-        return dict(sorted(out.items(), key=lambda kv: kv[1]))
+GIB = 2**30
 
 
 def versions() -> dict[str, str]:
@@ -84,23 +46,28 @@ def versions() -> dict[str, str]:
     return out
 
 
-def per_layer(layers: list[dict]) -> dict:
-    """Logged seconds per layer (0.1 s resolution) and the finer gaps between successive log stamps."""
-    logged = [r["s"] for r in layers]
-    gaps = [round(b["at"] - a["at"], 3) for a, b in zip(layers, layers[1:])]
-    rest = gaps if gaps else logged
-    return {"logged_s": logged, "stamp_gaps_s": gaps, "n": len(logged),
-            "mean_s": round(sum(logged) / len(logged), 3) if logged else None,
-            "mean_after_first_s": round(sum(rest) / len(rest), 3) if rest else None}
+def per_layer(runlog: RunLog) -> dict:
+    """Each decoder layer's seconds, their mean, and the mean after the first layer (its one-time costs)."""
+    seconds = [r.seconds for r in runlog.layers]
+    rest = seconds[1:] or seconds
+    return {"seconds": seconds, "n": len(seconds),
+            "mean_s": round(sum(seconds) / len(seconds), 4) if seconds else None,
+            "mean_after_first_s": round(sum(rest) / len(rest), 4) if rest else None}
 
 
-def method_seconds(stats: dict) -> dict:
-    """Per-layer stats' "seconds" (AWQ: scale_search/clip/quantize; GPTQ: hessian/sweep) summed over layers."""
+def method_seconds(runlog: RunLog) -> dict[str, float]:
+    """The method stages' seconds summed over layers and stages (AWQ: scale_search/clip/quantize; GPTQ:
+    hessian/sweep)."""
     out: dict[str, float] = {}
-    for layer in stats.values():
-        for k, v in (layer.get("seconds") or {}).items():
-            out[k] = round(out.get(k, 0.0) + v, 3)
+    for layer in runlog.layers:
+        for stage in layer.stages:
+            for k, v in stage.seconds.items():
+                out[k] = round(out.get(k, 0.0) + v, 4)
     return out
+
+
+def gib(n: int | None) -> float | None:
+    return None if n is None else round(n / GIB, 2)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -109,41 +76,30 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out-root", required=True, help="parent directory of the artifact")
     ap.add_argument("--json", type=Path, required=True, help="where the record is written")
     args = ap.parse_args(argv)
-    console = logging.StreamHandler()
-    console.setLevel(logging.INFO)  # the DEBUG records below reach LogTimes, not the log
     logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", handlers=[console])
-    log_times, qlog = LogTimes(), logging.getLogger("quantize")
-    qlog.addHandler(log_times)
-    qlog.setLevel(logging.DEBUG)  # the first layers' breakdown
+                        datefmt="%H:%M:%S")
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    t1, t_run = time.perf_counter(), time.time()
-    try:
-        art = runner.run(args.recipe, out_root=args.out_root, force=True)
-    finally:
-        qlog.removeHandler(log_times)
+    runlog = RunLog()
+    t1 = time.perf_counter()
+    art = runner.run(args.recipe, out_root=args.out_root, force=True, runlog=runlog)
     run_s = time.perf_counter() - t1
     man = json.loads((art / "manifest.json").read_text())
-    gib = 2**30
     record = {
         "runner": "ours", "recipe": man["recipe"]["name"], "method": man["recipe"]["method"],
         "artifact": str(art), "device": man["device"], "compute_dtype": man["compute_dtype"],
         "gpu": torch.cuda.get_device_name(0) if cuda else None, "versions": versions(),
-        "gpu_total_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2) if cuda else None,
-        "calibration": man["calibration"], "stages_s": man["timings_s"], "cuda_allocator": man.get("cuda_allocator"),
-        "run_s": round(run_s, 2),
-        "process_s": round(time.perf_counter() - T0, 2), "per_layer": per_layer(log_times.layers),
-        "timeline_s": log_times.timeline(t_run, {}),
-        "first_layers": {str(k): v for k, v in sorted(log_times.parts.items())},
-        "peak_gpu_alloc_gib": round(torch.cuda.max_memory_allocated() / gib, 2) if cuda else None,
-        "peak_gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / gib, 2) if cuda else None,
+        "gpu_total_gib": gib(torch.cuda.get_device_properties(0).total_memory) if cuda else None,
+        "calibration": man["calibration"], "cuda_allocator": man.get("cuda_allocator"),
+        "stages_s": runlog.stages, "run_s": round(run_s, 3), "process_s": round(time.perf_counter() - T0, 2),
+        "per_layer": per_layer(runlog), "method_seconds": method_seconds(runlog),
+        "peak_gpu_alloc_gib": gib(runlog.peak_allocated_bytes),
+        "peak_gpu_reserved_gib": gib(runlog.peak_reserved_bytes),
         "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "artifact_bytes": sum(f.stat().st_size for f in art.iterdir() if f.is_file()),
         "weights_sha256": {n: f["sha256"] for n, f in man["files"].items() if n.endswith(".safetensors")},
-        "pass_seconds": man.get("pass_seconds"),
-        "method_seconds": method_seconds(man.get(f"{man['recipe']['method']}_stats") or {}),
+        "runlog": runlog.to_dict(),
     }
     args.json.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record), flush=True)

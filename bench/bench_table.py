@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+FIRST_LAYERS = 2  # the layers whose breakdown the table prints
+
 
 def _ours_rows(r: dict) -> dict[str, float | None]:
     s = r["stages_s"]
@@ -64,29 +66,27 @@ def _big(job: str, r: dict) -> list[str]:
             f"{_fmt(e.get('peak_gpu_alloc_bound_gib'))}), peak RSS {_fmt(r['peak_rss_gib'])} GiB"]
 
 
-def _first_layers(job: str, r: dict) -> list[str]:
-    """Our first layers' seconds side by side (upload, FP forward, jobs; GPTQ's Hessian and sweep per stage),
-    and the CUDA warm-up: where a first layer's one-time costs went."""
-    layers = r.get("first_layers") or {}
-    if not r["ok"] or not layers:
+def _first_layers(job: str, r: dict, n: int = FIRST_LAYERS) -> list[str]:
+    """Our first layers' seconds side by side (upload, FP forward, jobs; each method stage's parts), and the
+    device code's record: where a first layer's one-time costs went."""
+    layers = ((r.get("runlog") or {}).get("layers") or [])[:n] if r["ok"] else []
+    if not layers:
         return []
-    cols = sorted(layers, key=int)
-    head = f"{job + ', first layers (s)':44s}" + "".join(f"{'layer ' + c:>10s}" for c in cols)
-    lines = [head, "-" * len(head)]
-    rows = dict.fromkeys(k for c in cols for k, v in layers[c].items() if not isinstance(v, dict))
-    for key in rows:
-        lines.append(f"{key:44s}" + "".join(f"{_fmt(layers[c].get(key)):>10s}" for c in cols))
-    stages = dict.fromkeys(k for c in cols for k, v in layers[c].items() if isinstance(v, dict))
-    for stage in stages:
-        for part in dict.fromkeys(p for c in cols for p in layers[c].get(stage, {})):
-            names = "+".join(n.rsplit(".", 1)[-1] for n in stage.removeprefix("stage ").split("+"))  # q_proj+...
-            lines.append(f"{names + ': ' + part:44s}" + "".join(f"{_fmt(layers[c].get(stage, {}).get(part)):>10s}"
-                                                         for c in cols))
-    w = r.get("warmup") or {}
-    if w:
-        parts = ", ".join(f"{k} {v:.2f}" for k, v in w.get("parts_s", {}).items())
-        lines.append(f"CUDA warm-up {_fmt(w.get('seconds'))} s ({parts}); the run waited "
-                     f"{_fmt(w.get('waited_s'))} s for it")
+    head = f"{job + ', first layers (s)':44s}" + "".join(f"{'layer ' + str(x['index'] + 1):>10s}" for x in layers)
+    lines = [head, "-" * len(head), f"{'whole layer':44s}" + "".join(f"{_fmt(x['seconds']):>10s}" for x in layers)]
+    for key in dict.fromkeys(k for x in layers for k in x["parts"]):
+        lines.append(f"{key:44s}" + "".join(f"{_fmt(x['parts'].get(key)):>10s}" for x in layers))
+    rows: dict[str, list] = {}
+    for i, x in enumerate(layers):
+        for st in x["stages"]:
+            names = "+".join(n.rsplit(".", 1)[-1] for n in st["stage"].split("+"))  # q_proj+k_proj+v_proj
+            for part, v in st["seconds"].items():
+                rows.setdefault(f"{names}: {part}", [None] * len(layers))[i] = v
+    for label, values in rows.items():
+        lines.append(f"{label:44s}" + "".join(f"{_fmt(v):>10s}" for v in values))
+    device = r["runlog"].get("device")
+    if device:
+        lines.append(f"device: {json.dumps(device, sort_keys=True)}")
     return lines
 
 

@@ -1,4 +1,4 @@
-"""Side-by-side GPU benchmark for issue 6: our AWQ/GPTQ against llm-compressor 0.14 on one random-init model.
+"""Side-by-side GPU benchmark: our AWQ/GPTQ against llm-compressor 0.14 on one random-init model.
 
 On the GPU host (offline; wheels collected by bench/peers/collect_wheels.sh into .whl/):
 
@@ -15,8 +15,8 @@ On the GPU host (offline; wheels collected by bench/peers/collect_wheels.sh into
                           a layer from one forward, as llm-compressor does
    ours-gptq-tf32         the same on bench-gptq-tf32-g128.yaml: gptq.update tf32 (approximate cross-block update)
    ours-gptq-warm         ours-gptq again: after it, Triton's on-disk cache holds the compiled sweep (steady state)
-   ours-awq-classic       AWQ with AutoAWQ's clip search and round-to-nearest (bench-awq-classic-g128.yaml: the AWQ
-                          defaults before the per-side clip and scale refit): the default's time against it
+   ours-awq-classic       AWQ with AutoAWQ's clip search and round-to-nearest (bench-awq-classic-g128.yaml: no
+                          per-side clip, no scale refit): the shipped defaults' time against it
    ours-awq-gptq          AWQ's scales and clip grid, GPTQ's rounding (bench-awq-gptq-g128.yaml)
    llmc-awq / llmc-gptq   bench/peers/llmc_bench.py (oneshot, same calibration token blocks)
    ours-72b-awq / -gptq   our pipeline on --layers-72b layers of the Qwen2.5-72B shape, extrapolated to all
@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                               "put it on every job's PYTHONPATH")
     ap.add_argument("--ours-python", default=sys.executable)
     ap.add_argument("--peer-python", default=sys.executable)
-    ap.add_argument("--ours-extra", default="", help="extra arguments for bench/bench_ours.py (e.g. --empty-cache)")
+    ap.add_argument("--ours-extra", default="", help="extra arguments for bench/bench_ours.py")
     ap.add_argument("--job-timeout", type=int, default=0, help="seconds per job, 0 = none")
     args = ap.parse_args(argv)
     jobs: list[str] = []

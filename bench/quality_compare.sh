@@ -7,7 +7,7 @@
 #   e.g. bash bench/quality_compare.sh smollm2-awq-g64;  bash bench/quality_compare.sh gemma3-270m-awq-g64
 #
 # Ours, from RECIPE in one pass (bench/awq_variants.py: one scale search per layer shared by the variants):
-#   classic  AutoAWQ's clip search (±max|w|) and round-to-nearest: the AWQ defaults before per_side/refit
+#   classic  AutoAWQ's clip search (±max|w|) and round-to-nearest: no per-side clip, no scale refit
 #   default  the recipe as shipped (quantize/recipe.py's AWQ defaults)
 #   gptq     the default plus awq.rounding: gptq (the setting of recipes/smollm2-awq-gptq-g64.yaml)
 # Peers (skipped when their environment is missing): bash bench/peers/setup_autoawq.sh,

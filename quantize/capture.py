@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from .arch import Arch, decoder_layers, get_module
 from .device import Uploader, clock, device_copy, release_cache
+from .runlog import RunLog
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +222,7 @@ def run_shared(
     feature_names: list[str],
     jobs: Sequence[LayerJob],
     checkpointer=None,
+    runlog: RunLog | None = None,
 ) -> tuple[list[str], dict[str, float]]:
     """One pass over the decoder layers serving several jobs (recipes) that share a model and calibration.
 
@@ -229,12 +231,13 @@ def run_shared(
     processed in place; with several, each job works on its own copy, so every job sees the unmodified layer
     and computes exactly what it would compute alone. `job.keep(i, layer)` receives the layer as the job left it.
     checkpointer: a `checkpoint.Checkpointer`; the pass resumes after its last saved layer and saves as it goes.
+    runlog: receives each layer's seconds and the parts of them (`runlog.LayerRecord`).
     NaN/inf: a layer with non-finite weights stops the run naming it; activations that overflow in half
     precision (Qwen in fp16) switch the pass to float32 from that layer on.
     -> (notes saying where that happened, seconds per part of the pass summed over layers)
     """
     layers = decoder_layers(model, arch)
-    p = _SharedPass(arch, device, compute_dtype, feature_names, jobs, Uploader(layers, device))
+    p = _SharedPass(arch, device, compute_dtype, feature_names, jobs, Uploader(layers, device), runlog)
     start_at = 0
     if any(j.propagate != "none" for j in jobs):
         p.inputs, p.layer_kwargs = first_layer_inputs(model, arch, samples, device, compute_dtype, batch_size)
@@ -263,7 +266,10 @@ def _layers(p: "_SharedPass", layers, start_at: int, start: float, checkpointer,
         p.layer(i)
         done, total = i + 1, len(layers)
         eta = (time.perf_counter() - start) / (done - start_at) * (total - done)
-        log.info("layer %d/%d done in %.1f s (eta %.0f s)", done, total, time.perf_counter() - t0, eta)
+        seconds = time.perf_counter() - t0
+        log.info("layer %d/%d done in %.1f s (eta %.0f s)", done, total, seconds, eta)
+        if p.runlog is not None:
+            p.runlog.layer(i).seconds = round(seconds, 4)
         if checkpointer is not None and checkpointer.due(i, total):
             checkpointer.save(i, jobs, _to(p.inputs, "cpu"), {n: _to(c, "cpu") for n, c in p.chains.items()})
         if device.type == "cuda":
@@ -274,9 +280,9 @@ class _SharedPass:
     """The state `run_shared` carries from layer to layer: FP-chain inputs, private chains, the compute dtype."""
 
     def __init__(self, arch: Arch, device: torch.device, dtype: torch.dtype, feature_names: list[str], jobs,
-                 uploader: Uploader):
+                 uploader: Uploader, runlog: RunLog | None = None):
         self.arch, self.device, self.dtype, self.names, self.jobs = arch, device, dtype, feature_names, jobs
-        self.uploader = uploader
+        self.uploader, self.runlog = uploader, runlog
         self.inputs: list[torch.Tensor] = []
         self.index = 0  # the layer being worked on
         self.layer_kwargs: list[list[dict]] = []  # per layer, per batch
@@ -372,6 +378,9 @@ class _SharedPass:
         self.seconds["jobs"] += t3 - t2
         log.debug("layer %d parts: to_device %.4f s, fp_forward %.4f s, jobs %.4f s", i + 1, t1 - t0, t2 - t1,
                   t3 - t2)
+        if self.runlog is not None:
+            self.runlog.layer(i).parts = {"to_device": round(t1 - t0, 4), "fp_forward": round(t2 - t1, 4),
+                                          "jobs": round(t3 - t2, 4)}
         del layer  # results and overrides hold what the jobs made of it; nothing is copied back
         if fp_outs is not None:
             self.inputs = fp_outs

@@ -21,6 +21,7 @@ from .capture import LayerData, NumericalError, feed_inputs
 from .device import clock as _clock
 from .device import gptq_sweep, side_stream
 from .primitives import dequantize, quantize, quantize_for_export
+from .runlog import RunLog
 
 log = logging.getLogger(__name__)
 
@@ -216,11 +217,11 @@ def _awq_round(data: LayerData, arch: Arch, names: list[str], ranges: dict, gram
 
 
 def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype: torch.dtype,
-              results: dict[str, QuantResult]) -> dict:
+              results: dict[str, QuantResult], runlog: RunLog | None = None) -> dict:
     """Search and apply AWQ scales, search clips, then quantize the layer on those grids -> search stats.
 
     Stats: per scale group (keyed by its `prev`) the chosen ratio, its loss, the RTN loss (α = 0), how many
-    ratios were evaluated and the seconds taken; under "seconds" the time of each sub-stage.
+    ratios were evaluated and the seconds taken; under "seconds" the time of each sub-stage (also into runlog).
     """
     layer, opts, spec = data.layer, recipe.awq, _spec(recipe)
     device = data.inputs[0].device
@@ -252,6 +253,8 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
                    results)
     t3 = _clock(device)
     stats["seconds"] = {"scale_search": round(t1 - t0, 4), "clip": round(t2 - t1, 4), "quantize": round(t3 - t2, 4)}
+    if runlog is not None:
+        runlog.stage(data.index, recipe.name, "awq", **stats["seconds"])
     return stats
 
 
@@ -262,8 +265,9 @@ def gptq_spec(recipe, scale_dtype: torch.dtype) -> gptq.GptqSpec:
 
 
 def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype: torch.dtype,
-               results: dict[str, QuantResult]) -> dict:
-    """GPTQ for one decoder layer: per stage, accumulate Hessians (on quantized predecessors), quantize."""
+               results: dict[str, QuantResult], runlog: RunLog | None = None) -> dict:
+    """GPTQ for one decoder layer: per stage, accumulate Hessians (on quantized predecessors), quantize.
+    Each stage's Hessian and sweep seconds go to runlog."""
     layer, opts = data.layer, recipe.gptq
     local = _local(arch, data.index, convert)
     stages = arch.sequential if opts.true_sequential else (tuple(arch.linears),)
@@ -301,6 +305,8 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
         seconds["sweep"] += t2 - t1
         log.debug("layer %d stage %s: hessian %.4f s, sweep %.4f s", data.index + 1, "+".join(names), t1 - t0,
                   t2 - t1)
+        if runlog is not None:
+            runlog.stage(data.index, recipe.name, "+".join(names), hessian=t1 - t0, sweep=t2 - t1)
     if losses:
         for n, loss in zip(losses, torch.stack(list(losses.values())).tolist()):
             stats[n] = {"loss": loss, **stats[n]}
@@ -332,6 +338,7 @@ class Job:
     stats: dict = field(default_factory=dict)
     overrides: dict[str, torch.Tensor] = field(default_factory=dict)
     seconds: float = 0.0
+    runlog: RunLog | None = None  # receives each layer's method stage seconds
 
     @property
     def propagate(self) -> str:
@@ -344,9 +351,10 @@ class Job:
     def process(self, data: LayerData) -> None:
         r, arch = self.recipe, self.arch
         if r.method == "awq":
-            self.stats[data.index] = awq_layer(data, arch, r, self.convert, self.scale_dtype, self.results)
+            self.stats[data.index] = awq_layer(data, arch, r, self.convert, self.scale_dtype, self.results, self.runlog)
         elif r.method == "gptq":
-            self.stats[data.index] = gptq_layer(data, arch, r, self.convert, self.scale_dtype, self.results)
+            self.stats[data.index] = gptq_layer(data, arch, r, self.convert, self.scale_dtype, self.results,
+                                                self.runlog)
         else:
             _round_to_nearest(data.layer, _local(arch, data.index, self.convert), _spec(r), self.scale_dtype,
                               layer_prefix(arch, data.index), self.results)

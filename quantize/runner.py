@@ -25,6 +25,7 @@ from .lock import output_lock
 from .paths import check_output_parent, child
 from .preflight import Plan, PreflightError, check_free_disk, human_bytes, pick_device, plan, tied_embeddings
 from .recipe import Recipe, load_recipe
+from .runlog import RunLog
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class Checked:
     free_bytes: int  # on the disk that will hold the artifacts
     samples: torch.Tensor | None = None  # calibration input_ids [n_samples, seq_len] (awq, gptq)
     calib_record: dict | None = None
-    cuda_allocator: str | None = None  # the CUDA allocator settings the run used (`capture.configure_allocator`)
+    cuda_allocator: str | None = None  # the CUDA allocator settings the run used (`device.configure_allocator`)
 
 
 def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Timings, run: bool = False) -> Checked:
@@ -163,19 +164,20 @@ def share_key(recipe: Recipe) -> tuple:
 
 
 def run(recipe_name: str | Path, out_root: str | Path = "artifacts", force: bool = False,
-        locked: bool = False) -> Path:
+        locked: bool = False, runlog: RunLog | None = None) -> Path:
     """Quantize per recipe -> the artifact directory. `<out>.lock` is held for the whole run (locked: the caller
-    holds it already, to keep it over the eval that follows)."""
-    return run_many([load_recipe(recipe_name)], out_root, force, locked)[0]
+    holds it already, to keep it over the eval that follows). runlog: filled with the run's timings."""
+    return run_many([load_recipe(recipe_name)], out_root, force, locked, runlog)[0]
 
 
 def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: bool = False,
-             locked: bool = False) -> list[Path]:
+             locked: bool = False, runlog: RunLog | None = None) -> list[Path]:
     """Quantize several recipes of one model in one pass -> their artifact directories (in order).
 
     One model load, one calibration set, and one trip of each decoder layer to the device serve every recipe;
     each recipe still computes exactly what it would alone (see `capture.run_shared`). Every output's lock is
-    held for the whole run.
+    held for the whole run. runlog: filled with the stages', layers' and method stages' seconds and the peak
+    device memory (`runlog.RunLog`).
     """
     outs = [child(out_root, r.name, "recipe name") for r in recipes]
     check_output_parent(out_root)
@@ -184,10 +186,10 @@ def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: b
             if not locked:
                 locks.enter_context(output_lock(out))
             export.remove_stale(out)  # what a killed run of this output left; no live run can own it now
-        return _run_many(recipes, outs, force)
+        return _run_many(recipes, outs, force, runlog)
 
 
-def _run_many(recipes: list[Recipe], outs: list[Path], force: bool) -> list[Path]:
+def _run_many(recipes: list[Recipe], outs: list[Path], force: bool, runlog: RunLog | None) -> list[Path]:
     timings = Timings()
     pf = preflight(recipes, outs, force, timings, run=True)
     first, device, compute_dtype = recipes[0], pf.device, pf.compute_dtype
@@ -196,17 +198,18 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool) -> list[Path
         storage_dtype = compute_dtype if device.type == "cpu" else dtype
         model = source.load_model(pf.src, storage_dtype, first.trust_remote_code)
         tied = tied_embeddings(model)
-    jobs = [Job(r, pf.arch, set(p.convert), dtype) for r, p in zip(recipes, pf.plans)]
+    jobs = [Job(r, pf.arch, set(p.convert), dtype, runlog=runlog) for r, p in zip(recipes, pf.plans)]
     # once per run: git status is a subprocess
     provenance = {"versions": _versions(), "git": git_commit(), "cuda_allocator": pf.cuda_allocator}
     ckpt = _checkpointer(recipes, outs[0], pf, provenance)
     with timings.stage("quantize"):
         numerics, pass_seconds = run_shared(model, pf.arch, pf.samples, device, compute_dtype, first.batch_size,
-                              feature_names(pf.arch), jobs, ckpt)
+                              feature_names(pf.arch), jobs, ckpt, runlog)
     shared = {"variants": [r.name for r in recipes], "pass_s": timings.stages["quantize"],
               "per_variant_s": {j.recipe.name: round(j.seconds, 3) for j in jobs}} if len(jobs) > 1 else None
     run = RunRecord(pf.src, pf.config, tied, device, compute_dtype, storage_dtype, dtype, pf.calib_record, shared,
                     numerics, pass_seconds, provenance)
+    t_export = time.perf_counter()
     for job, the_plan, out in zip(jobs, pf.plans, outs):
         stages = dict(timings.stages)
         if shared:
@@ -214,6 +217,13 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool) -> list[Path
         _export(job, the_plan, out, model, stages, force, run)
     if ckpt is not None:
         ckpt.clear()  # every artifact is in place
+    if runlog is not None:  # export: every artifact's (each manifest has its own)
+        runlog.stages.update(timings.stages, export=round(time.perf_counter() - t_export, 3))
+        runlog.device.update(device=str(device), compute_dtype=str(compute_dtype).removeprefix("torch."),
+                             cuda_allocator=pf.cuda_allocator)
+        if device.type == "cuda":
+            runlog.peak_allocated_bytes = torch.cuda.max_memory_allocated(device)
+            runlog.peak_reserved_bytes = torch.cuda.max_memory_reserved(device)
     return outs
 
 

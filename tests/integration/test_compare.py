@@ -10,17 +10,20 @@ from pipeline.compare import default_name, run_comparison, sizes
 from quantize import runner
 from quantize.modelcard import protocol_sentence
 from quantize.recipe import load_recipe
+from quantize.runlog import RunLog
 from tests.conftest import tiny_recipe, write_recipe
 
 
 def test_shared_pass_writes_the_same_bytes_as_separate_runs(tiny_qwen2, tmp_path):
     """AWQ g32/g64 (FP-propagated), GPTQ (private quantized chain) and RTN in one pass == four runs alone.
-    Qwen2 has q/k/v biases, which AWQ rescales: the per-variant layer copies must carry them to the export."""
+    Qwen2 has q/k/v biases, which AWQ rescales: the per-variant layer copies must carry them to the export.
+    The shared run also fills a RunLog: per layer, its parts and every recipe's method stages."""
     recipes = [tiny_recipe(tmp_path, tiny_qwen2, name="v-awq-g32", q_group_size=32),
                tiny_recipe(tmp_path, tiny_qwen2, name="v-awq-g64"),
                tiny_recipe(tmp_path, tiny_qwen2, name="v-gptq-g64", method="gptq", zero_point=False),
                tiny_recipe(tmp_path, tiny_qwen2, name="v-rtn-g64", method="rtn")]
-    shared = runner.run_many([load_recipe(r) for r in recipes], tmp_path / "shared")
+    runlog = RunLog()
+    shared = runner.run_many([load_recipe(r) for r in recipes], tmp_path / "shared", runlog=runlog)
     alone = [runner.run(r, out_root=tmp_path / "alone") for r in recipes]
     for a, b in zip(shared, alone):
         ma, mb = (json.loads((d / "manifest.json").read_text()) for d in (a, b))
@@ -29,6 +32,18 @@ def test_shared_pass_writes_the_same_bytes_as_separate_runs(tiny_qwen2, tmp_path
         assert ma["shared_pass"]["variants"] == [r.stem for r in recipes] and mb["shared_pass"] is None
     g32, g64 = (sizes(d, 4) for d in shared[:2])
     assert g32["bits_per_weight"] > g64["bits_per_weight"] > 4  # scales + zeros cost more at smaller groups
+    assert list(runlog.stages) == ["preflight", "calibrate", "load", "quantize", "export"]
+    assert [r.index for r in runlog.layers] == [0, 1]
+    for r in runlog.layers:
+        assert r.seconds > 0 and set(r.parts) == {"to_device", "fp_forward", "jobs"}
+        assert sum(r.parts.values()) <= r.seconds
+        stages = [(s.recipe, s.stage, set(s.seconds)) for s in r.stages]
+        assert stages == [("v-awq-g32", "awq", {"scale_search", "clip", "quantize"}),
+                          ("v-awq-g64", "awq", {"scale_search", "clip", "quantize"})] + \
+            [("v-gptq-g64", g, {"hessian", "sweep"}) for g in  # true-sequential stages
+             ("self_attn.q_proj+self_attn.k_proj+self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj+mlp.up_proj",
+              "mlp.down_proj")]
+    assert runlog.peak_allocated_bytes is None and runlog.device == {}  # CPU
 
 
 def test_recipes_that_cannot_share_are_refused_together(tiny_qwen2, tiny_llama, tmp_path):

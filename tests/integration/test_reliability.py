@@ -1,4 +1,4 @@
-"""Issue 7 on tiny models: every bad input is refused before weights load, with a message saying what to change;
+"""Reliability on tiny models: every bad input is refused before weights load, with a message saying what to change;
 disk full and a second writer leave nothing half-written; out of memory names the knobs."""
 
 import errno
