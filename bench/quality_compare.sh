@@ -19,6 +19,8 @@ export HF_HUB_OFFLINE=1
 RECIPE=$1; W=${2:-40}; SPLIT=${3:-16}
 PY=${PY:-.venv/bin/python}
 ART=${ART:-artifacts/quality}
+AUTOAWQ_DIR=${AUTOAWQ_DIR:-.cache/autoawq-0.2.9}  # AutoAWQ's unpacked sdist (bench/peers/setup_autoawq.sh)
+LLMC_PY=${LLMC_PY:-.cache/venv-llmcompressor/bin/python}  # a Python with llm-compressor 0.14
 read -r SPEC G < <($PY -c "from quantize.recipe import load_recipe as l; r = l('$RECIPE'); print(r.model, r.q_group_size)")
 SRC=$($PY -c "from quantize import source; print(source.resolve('$SPEC').path)")
 OURS=("$ART/$RECIPE-classic" "$ART/$RECIPE-default" "$ART/$RECIPE-gptq")
@@ -27,13 +29,13 @@ if [ ! -d "${OURS[2]}" ]; then
     gptq:awq.rounding=gptq
 fi
 PEERS=()
-if [ -d .cache/autoawq-0.2.9/awq ]; then
-  [ -d "$ART/$RECIPE-autoawq" ] || PYTHONPATH=".:.cache/autoawq-0.2.9" $PY bench/peers/autoawq_quant.py \
+if [ -d "$AUTOAWQ_DIR/awq" ]; then
+  [ -d "$ART/$RECIPE-autoawq" ] || PYTHONPATH=".:$AUTOAWQ_DIR:${PYTHONPATH:-}" $PY bench/peers/autoawq_quant.py \
     --model "$SRC" --out "$ART/$RECIPE-autoawq" --group-size "$G"
   PEERS+=("$ART/$RECIPE-autoawq")
 fi
-if [ -x .cache/venv-llmcompressor/bin/python ]; then
-  [ -d "$ART/$RECIPE-llmc-awq" ] || .cache/venv-llmcompressor/bin/python bench/peers/llmc_awq.py \
+if command -v "$LLMC_PY" > /dev/null; then
+  [ -d "$ART/$RECIPE-llmc-awq" ] || "$LLMC_PY" bench/peers/llmc_awq.py \
     --model "$SRC" --out "$ART/$RECIPE-llmc-awq" --group-size "$G"
   PEERS+=("$ART/$RECIPE-llmc-awq")
 fi
