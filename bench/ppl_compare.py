@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--split", type=int, default=None, help="also report windows [0, N) and [N, max)")
     ap.add_argument("--skip-windows", type=int, default=0, help="score windows [N, max-windows) only")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cpu", help="where every model is scored, in float32 (default: the CPU, the "
+                                                   "eval stage's CPU protocol)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     src = source.resolve(a.source)
@@ -46,8 +48,9 @@ def main() -> None:
     text, where = load_eval_text(a.dataset)
     wins = windows(tok, text, proto)[a.skip_windows :]  # [n, seq]
     rows = {}
-    models = [("source (float32)", lambda: source.load_model(src, torch.float32))]
-    models += [(p, lambda p=p: load_dequantized(Path(p), torch.float32)) for p in a.artifacts]
+    dev = torch.device(a.device)
+    models = [("source (float32)", lambda: source.load_model(src, torch.float32, device=dev))]
+    models += [(p, lambda p=p: load_dequantized(Path(p), torch.float32, dev)) for p in a.artifacts]
     for label, load in models:
         t0 = time.perf_counter()
         r = perplexity(load(), wins)
@@ -63,8 +66,8 @@ def main() -> None:
         r["delta"] = r["ppl"] - base["ppl"]
         if a.split:
             r["delta_windows"] = {k: v - base["ppl_windows"][k] for k, v in r["ppl_windows"].items()}
-    out = {"date": str(date.today()), "machine": f"{platform.machine()} {platform.processor()} "
-           f"{torch.get_num_threads()} threads", "protocol": {**protocol_record(proto, text, where, wins), "skipped_windows": a.skip_windows}, "rows": rows}
+    where_scored = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{torch.get_num_threads()} threads"
+    out = {"date": str(date.today()), "machine": f"{platform.machine()} {platform.processor()} {where_scored}", "protocol": {**protocol_record(proto, text, where, wins), "skipped_windows": a.skip_windows}, "rows": rows}
     print(json.dumps(rows, indent=2))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))

@@ -21,6 +21,7 @@ PY=${PY:-.venv/bin/python}
 ART=${ART:-artifacts/quality}
 AUTOAWQ_DIR=${AUTOAWQ_DIR:-.cache/autoawq-0.2.9}  # AutoAWQ's unpacked sdist (bench/peers/setup_autoawq.sh)
 LLMC_PY=${LLMC_PY:-.cache/venv-llmcompressor/bin/python}  # a Python with llm-compressor 0.14
+SCORE_DEVICE=${SCORE_DEVICE:-cpu}  # where every artifact is scored in float32 (cuda: the same protocol, faster)
 read -r SPEC G < <($PY -c "from quantize.recipe import load_recipe as l; r = l('$RECIPE'); print(r.model, r.q_group_size)")
 SRC=$($PY -c "from quantize import source; print(source.resolve('$SPEC').path)")
 OURS=("$ART/$RECIPE-classic" "$ART/$RECIPE-default" "$ART/$RECIPE-gptq")
@@ -40,5 +41,5 @@ if command -v "$LLMC_PY" > /dev/null; then
   PEERS+=("$ART/$RECIPE-llmc-awq")
 fi
 mkdir -p bench/results
-$PY bench/ppl_compare.py --source "$SPEC" --max-windows "$W" --split "$SPLIT" \
+$PY bench/ppl_compare.py --source "$SPEC" --max-windows "$W" --split "$SPLIT" --device "$SCORE_DEVICE" \
   --json "bench/results/quality-$RECIPE.json" "${OURS[@]}" "${PEERS[@]}"
