@@ -10,7 +10,7 @@
 #   classic  AutoAWQ's clip search (±max|w|) and round-to-nearest: no per-side clip, no scale refit
 #   default  the recipe as shipped (quantize/recipe.py's AWQ defaults)
 #   gptq     the default plus awq.rounding: gptq (the setting of recipes/smollm2-awq-gptq-g64.yaml)
-# Peers (skipped when their environment is missing): bash bench/peers/setup_autoawq.sh,
+# Peers (skipped when their environment is missing; one that fails on the model says so and gets no row): bash bench/peers/setup_autoawq.sh,
 # bash bench/peers/setup_llmcompressor.sh. Perplexity of windows [0, SPLIT) and [SPLIT, WINDOWS) from one run:
 # bench/results/quality-RECIPE.json. Gemma 3 needs bash bench/setup_gemma3.sh first.
 set -euo pipefail
@@ -32,13 +32,13 @@ fi
 PEERS=()
 if [ -d "$AUTOAWQ_DIR/awq" ]; then
   [ -d "$ART/$RECIPE-autoawq" ] || PYTHONPATH=".:$AUTOAWQ_DIR:${PYTHONPATH:-}" $PY bench/peers/autoawq_quant.py \
-    --model "$SRC" --out "$ART/$RECIPE-autoawq" --group-size "$G"
-  PEERS+=("$ART/$RECIPE-autoawq")
+    --model "$SRC" --out "$ART/$RECIPE-autoawq" --group-size "$G" || echo "AutoAWQ failed on $RECIPE: no row for it"
+  [ -d "$ART/$RECIPE-autoawq" ] && PEERS+=("$ART/$RECIPE-autoawq")
 fi
 if command -v "$LLMC_PY" > /dev/null; then
   [ -d "$ART/$RECIPE-llmc-awq" ] || "$LLMC_PY" bench/peers/llmc_awq.py \
-    --model "$SRC" --out "$ART/$RECIPE-llmc-awq" --group-size "$G"
-  PEERS+=("$ART/$RECIPE-llmc-awq")
+    --model "$SRC" --out "$ART/$RECIPE-llmc-awq" --group-size "$G" || echo "llm-compressor failed on $RECIPE: no row for it"
+  [ -d "$ART/$RECIPE-llmc-awq" ] && PEERS+=("$ART/$RECIPE-llmc-awq")
 fi
 mkdir -p bench/results
 $PY bench/ppl_compare.py --source "$SPEC" --max-windows "$W" --split "$SPLIT" --device "$SCORE_DEVICE" \
