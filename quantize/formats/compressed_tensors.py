@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import torch
 
-BITS_SERVED = (4, 8)
-
-
 def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, sym: bool) -> dict:
     """codes [out, in] uint8, scales/zeros [out, n_group] -> compressed-tensors tensors of one linear."""
     # imported here: compressed_tensors takes seconds to import (it pulls in transformers' loaders), and runs

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import torch
 
-BITS_SERVED = (4, 8)
-
-
 def _pack_rows(x: torch.Tensor, bits: int) -> torch.Tensor:
     """x: [rows, cols] ints in [0, 2^b) -> int32 [rows * b / 32, cols]: value of row (32/b)·r + j at bits b·j."""
     per = 32 // bits
