@@ -20,8 +20,9 @@ def pack_all(results: dict, recipe, skipped: list[str], dtype: torch.dtype,
              device: torch.device | str = "cpu") -> tuple[dict[str, dict], dict]:
     """results: module -> QuantResult -> ({module: {suffix: tensor}} on the CPU, quantization_config).
 
-    skipped: full names of quantizable linears left in 16-bit by the plan (they must be named where the
-    format needs it: AWQ's modules_to_not_convert, compressed-tensors' ignore). device: where to pack.
+    skipped: full names of every quantizable linear the plan leaves in 16-bit, for modules_to_not_convert or an
+    indivisible shape (the format must name each one where it needs to: AWQ's modules_to_not_convert,
+    compressed-tensors' ignore, or vLLM expects packed tensors for it). device: where to pack.
     """
     fmt, bits, g = recipe.out_format, recipe.w_bit, recipe.q_group_size
     sym = not recipe.zero_point

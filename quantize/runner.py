@@ -283,8 +283,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
     """Pack one job's results and write its artifact directory atomically (timed into its manifest)."""
     recipe = job.recipe
     t0 = time.perf_counter()
-    skipped = [n for n, why in the_plan.skipped.items() if why != "modules_to_not_convert"]
-    packed, qcfg = pack_all(job.results, recipe, skipped, run.dtype, run.device)
+    packed, qcfg = pack_all(job.results, recipe, list(the_plan.skipped), run.dtype, run.device)
     drop = {"lm_head.weight"} if run.tied else set()
     tensors = export.build_state_dict(model, packed, run.dtype, drop, job.overrides)
     export.check_finite(tensors, f"the checkpoint {run.src.path}")
