@@ -19,6 +19,7 @@ from . import awq, gptq
 from .arch import Arch, active_scale_groups, layer_prefix
 from .capture import LayerData, NumericalError, feed_inputs
 from .capture import clock as _clock
+from .formats.packing import pack_int32, unpack_int32
 from .primitives import dequantize, quantize, quantize_for_export
 
 log = logging.getLogger(__name__)
@@ -380,17 +381,14 @@ class Job:
 
 
 def _nibbles(codes: torch.Tensor) -> dict:
-    """uint8 codes [out, in] < 16 -> two per byte [out, in / 2] (halves a checkpoint); others unchanged."""
-    if codes.shape[-1] % 2 or int(codes.max()) > 15:
+    """uint8 codes [out, in] < 16 -> eight per int32 [out, in / 8] (halves a checkpoint); others unchanged."""
+    if codes.shape[-1] % 8 or int(codes.max()) > 15:
         return {"raw": codes}
-    return {"nibbles": codes[:, 0::2] | (codes[:, 1::2] << 4)}
+    return {"int4": pack_int32(codes, 4)}
 
 
 def _from_nibbles(d: dict) -> torch.Tensor:
-    if "raw" in d:
-        return d["raw"]
-    p = d["nibbles"]
-    return torch.stack([p & 0xF, p >> 4], dim=-1).reshape(p.shape[0], -1)  # [out, in / 2, 2] -> [out, in]
+    return d["raw"] if "raw" in d else unpack_int32(d["int4"], 4).to(torch.uint8)  # [out, in]
 
 
 def feature_names(arch: Arch) -> list[str]:

@@ -9,7 +9,8 @@ from safetensors import safe_open
 from eval.artifact import dequantized_state_dict, load_dequantized
 from quantize import export, runner
 from quantize.arch import UnsupportedArchitecture
-from quantize.formats import awq_gemm
+from quantize.formats.awq_gemm import AWQ_ORDER
+from quantize.formats.packing import unpack_int32
 from tests.conftest import KEPT_16BIT, heldout_ids, kl_divergence as _kl, build_tiny_model, tiny_recipe
 
 
@@ -149,7 +150,7 @@ def test_other_architectures(kind, tmp_path):
 def test_symmetric_writes_zero_8(tmp_path, tiny_llama):
     out = runner.run(tiny_recipe(tmp_path, tiny_llama, name="tiny-sym", zero_point=False), out_root=tmp_path / "a")
     with safe_open(str(out / "model.safetensors"), "pt") as st:
-        z = awq_gemm.unpack_int4_cols(st.get_tensor("model.layers.0.mlp.up_proj.qzeros"))
+        z = unpack_int32(st.get_tensor("model.layers.0.mlp.up_proj.qzeros"), 4, AWQ_ORDER)
     assert (z == 8).all()
 
 

@@ -11,7 +11,8 @@ from eval.agreement import hf_logprobs, prompt_logprob_delta
 from eval.artifact import load_dequantized
 from eval.vllm_run import run_vllm
 from quantize import runner
-from quantize.formats import awq_gemm
+from quantize.formats.awq_gemm import AWQ_ORDER
+from quantize.formats.packing import pack_int32, unpack_int32
 from tests.conftest import KEPT_16BIT, tiny_recipe
 from tests.integration import vllm_load_only
 
@@ -48,11 +49,8 @@ def test_wrong_nibble_order_is_caught(tiny_llama, tmp_path):
     shutil.copytree(out, bad)
     tensors = load_file(str(bad / "model.safetensors"))
     for name in [k for k in tensors if k.endswith(".qweight")]:
-        codes = awq_gemm.unpack_int4_cols(tensors[name]).to(torch.int64)  # [in, out]
-        r, c = codes.shape
-        shifts = torch.arange(0, 32, 4, dtype=torch.int64)
-        plain = (codes.reshape(r, c // 8, 8) << shifts).sum(-1)  # nibble i <- column 8c + i (wrong)
-        tensors[name] = torch.where(plain >= 2**31, plain - 2**32, plain).to(torch.int32)
+        codes = unpack_int32(tensors[name], 4, AWQ_ORDER)  # [in, out]
+        tensors[name] = pack_int32(codes, 4)  # nibble i <- column 8c + i (wrong)
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     ids = _prompts()
     res = run_vllm(bad, ids, top_k=5, max_tokens=1)

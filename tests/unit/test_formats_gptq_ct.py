@@ -69,3 +69,18 @@ def test_compressed_tensors_config():
     assert cfg["format"] == "pack-quantized" and cfg["quant_method"] == "compressed-tensors"
     assert (w["num_bits"], w["group_size"], w["symmetric"], w["strategy"], w["actorder"]) == (
         4, 128, False, "group", "static")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_compressed_tensors_bits_equal_the_packages_own(bits):
+    """Our packer writes what compressed_tensors' compressor writes, zero points along an `out` that 32/b does
+    not divide (padded) included."""
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    codes, scales, zeros = _rand(out_f=36, bits=bits, sym=False)
+    p = ct.pack(codes, scales, zeros, bits, False)
+    off = 2 ** (bits - 1)
+    signed = lambda t: (t.to(torch.int16) - off).to(torch.int8)  # noqa: E731 - the package takes signed int8
+    assert torch.equal(p["weight_packed"], helpers.pack_to_int32(signed(codes), bits))
+    assert torch.equal(p["weight_zero_point"], helpers.pack_to_int32(signed(zeros), bits, packed_dim=0))
+    c, s, z = ct.unpack(p, bits)
+    assert torch.equal(c, codes) and torch.equal(z, zeros)
