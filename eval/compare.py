@@ -12,15 +12,14 @@ import struct
 from datetime import datetime, timezone
 from pathlib import Path
 
+from quantize import formats
 from quantize.export import MANIFEST
 from quantize.modelcard import protocol_sentence
 from quantize.paths import child
 
-from .artifact import PACKED_TENSOR
-
 log = logging.getLogger(__name__)
 
-PACKED = tuple(sorted(set(PACKED_TENSOR.values())))  # the int32 code tensors of all three formats
+PACKED = tuple(sorted({f.packed_tensor for f in formats.REGISTRY.values()}))  # every format's int32 code tensor
 
 
 def _header(path: Path) -> dict:

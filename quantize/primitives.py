@@ -25,6 +25,11 @@ def _grouped(w: torch.Tensor, group: int) -> torch.Tensor:
     return w.reshape(out, inp // group, group)  # [out, n_group, g]
 
 
+def symmetric_zero(w_bit: int) -> int:
+    """The zero point of every symmetric group: 2^(b-1), the code that stands for 0."""
+    return 2 ** (w_bit - 1)
+
+
 def qparams(w: torch.Tensor, w_bit: int, group: int, zero_point: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """w: [out, in] -> scales: [out, in // g] (fp32), zeros: [out, in // g] (int32)."""
     wg = _grouped(w.float(), group)  # [out, n_group, g]
@@ -36,7 +41,7 @@ def qparams(w: torch.Tensor, w_bit: int, group: int, zero_point: bool) -> tuple[
         zeros = (-torch.round(w_min / scales)).clamp(0, max_int)
     else:
         scales = wg.abs().amax(dim=-1).clamp(min=1e-5) / (2 ** (w_bit - 1) - 1)
-        zeros = torch.full_like(scales, 2 ** (w_bit - 1))
+        zeros = torch.full_like(scales, symmetric_zero(w_bit))
     return scales, zeros.to(torch.int32)
 
 

@@ -31,13 +31,13 @@ def unpack(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
     return codes, scales, zeros
 
 
-def quantization_config(w_bit: int, group: int, zero_point: bool, modules_to_not_convert: list[str]) -> dict:
+def quantization_config(w_bit: int, group: int, symmetric: bool, modules_to_not_convert: list[str]) -> dict:
     """The `quantization_config` block of config.json that vLLM and transformers read."""
     return {
         "quant_method": "awq",
         "bits": w_bit,
         "group_size": group,
-        "zero_point": zero_point,
+        "zero_point": not symmetric,  # AutoAWQ's name: zero points stored (asymmetric)
         "version": "gemm",
         "modules_to_not_convert": list(modules_to_not_convert),
     }

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import torch
 
+from ..primitives import symmetric_zero
 from .packing import pack_int32, unpack_int32
 
 
-def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, sym: bool) -> dict:
+def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, symmetric: bool) -> dict:
     """codes [out, in] uint8, scales/zeros [out, n_group] -> compressed-tensors tensors of one linear."""
     out = {
         "weight_packed": pack_int32(codes, bits),  # [out, in*b/32]
         "weight_scale": scales.contiguous(),  # [out, n_group]
         "weight_shape": torch.tensor(list(codes.shape), dtype=torch.int64),
     }
-    if not sym:
+    if not symmetric:
         out["weight_zero_point"] = pack_int32(zeros.t(), bits).t().contiguous()  # [out*b/32, n_group]
     return out
 
@@ -36,18 +37,18 @@ def unpack(tensors: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, t
     if "weight_zero_point" in tensors:
         zeros = unpack_int32(tensors["weight_zero_point"].t(), bits, cols=out_f).t().to(torch.int32)  # [out, n_group]
     else:
-        zeros = torch.full(scales.shape, 2 ** (bits - 1), dtype=torch.int32, device=scales.device)
+        zeros = torch.full(scales.shape, symmetric_zero(bits), dtype=torch.int32, device=scales.device)
     return codes, scales, zeros
 
 
-def quantization_config(bits: int, group: int, sym: bool, act_order: bool, ignore: list[str]) -> dict:
+def quantization_config(bits: int, group: int, symmetric: bool, act_order: bool, ignore: list[str]) -> dict:
     """config.json `quantization_config`, built with compressed_tensors' own schema classes."""
     # imported here: compressed_tensors takes seconds to import (it pulls in transformers' loaders), and runs
     # writing the AWQ or GPTQ format never need it
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     weights = QuantizationArgs(
-        num_bits=bits, type="int", symmetric=sym, dynamic=False,
+        num_bits=bits, type="int", symmetric=symmetric, dynamic=False,
         strategy="channel" if group == -1 else "group", group_size=None if group == -1 else group,
         actorder="static" if act_order else None, observer="minmax",
     )

@@ -40,7 +40,7 @@ def unpack(tensors: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, t
     return codes, tensors["scales"].t().contiguous(), zeros.t().contiguous()
 
 
-def quantization_config(bits: int, group: int, sym: bool, act_order: bool, true_sequential: bool,
+def quantization_config(bits: int, group: int, symmetric: bool, act_order: bool, true_sequential: bool,
                         damp: float) -> dict:
     """config.json `quantization_config` for vLLM's gptq / gptq_marlin (desc_act always false: see above).
 
@@ -50,7 +50,7 @@ def quantization_config(bits: int, group: int, sym: bool, act_order: bool, true_
         "quant_method": "gptq",
         "bits": bits,
         "group_size": group,
-        "sym": sym,
+        "sym": symmetric,
         "desc_act": False,
         "static_groups": act_order,
         "true_sequential": true_sequential,

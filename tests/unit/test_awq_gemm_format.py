@@ -41,7 +41,7 @@ def test_wrong_order_would_be_detected():
 
 
 def test_quantization_config_keys():
-    cfg = awq_gemm.quantization_config(4, 128, True, ["lm_head"])
+    cfg = awq_gemm.quantization_config(4, 128, False, ["lm_head"])  # asymmetric: zero_point true
     assert cfg == {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm",
                    "modules_to_not_convert": ["lm_head"]}
 
