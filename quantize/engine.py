@@ -88,7 +88,8 @@ def _round_to_nearest(layer: nn.Module, names: list[str], spec: awq.QSpec, scale
     for n in names:
         w = layer.get_submodule(n).weight.data
         group = w.shape[1] if spec.group == -1 else spec.group
-        codes, scales, zeros = quantize_for_export(w, spec.w_bit, group, spec.zero_point, scale_dtype)
+        codes, scales, zeros = quantize_for_export(w, spec.w_bit, group, symmetric=spec.symmetric,
+                                                   scale_dtype=scale_dtype)
         _store(layer, n, prefix, codes, scales, zeros, results)
 
 
@@ -103,7 +104,7 @@ def _first(y):
 
 
 def _spec(recipe) -> awq.QSpec:
-    return awq.QSpec(recipe.w_bit, recipe.q_group_size, recipe.zero_point)
+    return awq.QSpec(recipe.w_bit, recipe.q_group_size, symmetric=recipe.symmetric)
 
 
 def search_batches(tokens_per_batch: list[int], search_tokens: int | None, seed: int) -> list[int]:
@@ -255,7 +256,7 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
 
 def gptq_spec(recipe, scale_dtype: torch.dtype) -> gptq.GptqSpec:
     o = recipe.gptq
-    return gptq.GptqSpec(recipe.w_bit, recipe.q_group_size, not recipe.zero_point, o.block_size, o.damp_percent,
+    return gptq.GptqSpec(recipe.w_bit, recipe.q_group_size, recipe.symmetric, o.block_size, o.damp_percent,
                          o.act_order, scale_dtype, o.kernel, o.update)
 
 

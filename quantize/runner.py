@@ -237,8 +237,8 @@ def _checkpointer(recipes: list[Recipe], first_out: Path, pf: Checked,
 
 def _plan_and_log(recipe: Recipe, config, arch):
     the_plan = plan(config, arch, recipe, is_skipped)
-    log.info("recipe %s: %s w%d g%d zero_point=%s format %s", recipe.name, recipe.method, recipe.w_bit,
-             recipe.q_group_size, recipe.zero_point, recipe.out_format)
+    log.info("recipe %s: %s w%d g%d symmetric=%s format %s", recipe.name, recipe.method, recipe.w_bit,
+             recipe.q_group_size, recipe.symmetric, recipe.out_format)
     log.info("pre-flight: %s\n%s", the_plan.summary(), the_plan.table())
     for name, why in the_plan.skipped.items():
         if why != "modules_to_not_convert":

@@ -27,7 +27,7 @@ def test_pack_then_decode_is_the_quantized_weight(name, method, symmetric, bits)
     """What a format writes decodes, through its own config, to exactly the weight the codes stand for."""
     fmt = formats.get(name)
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
-    codes, scales, zeros = quantize_for_export(w, bits, 64, zero_point=not symmetric, scale_dtype=torch.float16)
+    codes, scales, zeros = quantize_for_export(w, bits, 64, symmetric=symmetric, scale_dtype=torch.float16)
     recipe = Recipe(**{**BASE, "method": method, "w_bit": bits, "format": name, "zero_point": not symmetric})
     tensors = fmt.pack(codes, scales, zeros, bits, symmetric)
     assert fmt.packed_tensor in tensors and set(tensors) <= set(fmt.tensors)
