@@ -15,9 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from quantize.formats import awq_gemm, compressed_tensors, gptq
+from quantize import formats
 from quantize.manifest import ArtifactError
-from quantize.primitives import dequantize
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -38,23 +37,17 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _format(qcfg: dict, path: Path) -> tuple[str, int]:
+def _format(qcfg: dict, path: Path) -> tuple[formats.Format, int]:
+    """A config.json quantization_config -> (its format, bits); ArtifactError if we cannot decode it."""
     method = qcfg.get("quant_method")
-    if method == "awq":
-        version = str(qcfg.get("version", "")).lower()
-        if version != "gemm":
-            raise ArtifactError(f"{path}: AWQ version {version!r} is not readable here (gemm only)")
-        return "awq", int(qcfg.get("bits", qcfg.get("w_bit", 0)))
-    if method == "gptq":
-        if qcfg.get("desc_act"):
-            raise ArtifactError(f"{path}: desc_act: true GPTQ checkpoints are rejected by vLLM 0.32")
-        return "gptq", int(qcfg["bits"])
-    if method == "compressed-tensors":
-        if qcfg.get("format") != "pack-quantized":
-            raise ArtifactError(f"{path}: compressed-tensors format {qcfg.get('format')!r} is not readable here")
-        groups = list(qcfg.get("config_groups", {}).values())
-        return "compressed-tensors", int(groups[0]["weights"]["num_bits"])
-    raise ArtifactError(f"{path}: quant_method {method!r} is not readable here (awq, gptq, compressed-tensors)")
+    fmt = formats.by_quant_method(method)
+    if fmt is None:
+        known = ", ".join(f.quant_method for f in formats.REGISTRY.values())
+        raise ArtifactError(f"{path}: quant_method {method!r} is not readable here ({known})")
+    try:
+        return fmt, fmt.read_config(qcfg)
+    except ValueError as e:
+        raise ArtifactError(f"{path}: {e}") from None
 
 
 def decoded_tensors(path: Path, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
@@ -66,53 +59,27 @@ def decoded_tensors(path: Path, device: torch.device | str = "cpu") -> Iterator[
     if not qcfg:
         raise ArtifactError(f"{path}/config.json has no quantization_config")
     fmt, bits = _format(qcfg, Path(path))
-    if fmt == "awq" and bits != 4:
-        raise ArtifactError(f"{path}: bits {bits} is not supported by the AWQ GEMM reader (4 only)")
     with ExitStack() as stack:
         where = {}  # tensor name -> the open shard that holds it
         for f in safetensors_files(path):
             st = stack.enter_context(safe_open(str(f), framework="pt"))
             where.update({k: st for k in st.keys()})
-        marker = "." + PACKED_TENSOR[fmt]
+        marker = "." + fmt.packed_tensor
         used: set[str] = set()
         for m in [k.removesuffix(marker) for k in where if k.endswith(marker)]:
-            names = [f"{m}.{s}" for s in _SUFFIXES[fmt] if f"{m}.{s}" in where]
+            names = [f"{m}.{s}" for s in fmt.tensors if f"{m}.{s}" in where]
             own = {n.removeprefix(f"{m}."): where[n].get_tensor(n).to(device) for n in names}
             used.update(names)
-            yield f"{m}.weight", _decode(fmt, own, qcfg, bits)
+            yield f"{m}.weight", fmt.decode(own, qcfg, bits)
         for name, st in where.items():
             if name not in used:
                 yield name, st.get_tensor(name)
-
-
-def _decode(fmt: str, own: dict[str, torch.Tensor], qcfg: dict, bits: int) -> torch.Tensor:
-    """One module's packed tensors -> its dequantized weight [out, in] (float32), as vLLM computes with it."""
-    if fmt == "awq":
-        codes, scales, zeros = awq_gemm.unpack(own)
-        if not qcfg.get("zero_point", True):
-            zeros = torch.full_like(zeros, 8)  # vLLM ignores qzeros without zero points: (q - 8) * s
-    elif fmt == "gptq":
-        codes, scales, zeros = gptq.unpack(own, bits)
-        if qcfg.get("sym", True):
-            zeros = torch.full_like(zeros, 2 ** (bits - 1))  # vLLM ignores qzeros with sym
-    else:
-        codes, scales, zeros = compressed_tensors.unpack(own, bits)
-    return dequantize(codes, scales, zeros)
 
 
 def dequantized_state_dict(path: Path, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], dict]:
     """Artifact dir -> (state dict with every packed linear decoded to `.weight`, quantization_config)."""
     out = {name: t.to(dtype) if t.is_floating_point() else t for name, t in decoded_tensors(path)}
     return out, json.loads((Path(path) / "config.json").read_text())["quantization_config"]
-
-
-PACKED_TENSOR = {"awq": "qweight", "gptq": "qweight", "compressed-tensors": "weight_packed"}  # int32, 32/w_bit codes each
-
-_SUFFIXES = {
-    "awq": ("qweight", "qzeros", "scales"),
-    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
-    "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
-}
 
 
 def empty_model(config, dtype: torch.dtype, device: torch.device | str):

@@ -25,7 +25,7 @@ import torch
 
 import httpx
 
-from quantize import serve_config
+from quantize import formats, serve_config
 
 from .serve import INT4_MISSING, Server, ServeError, chat, int4_kernel_missing, post, served_models
 from .vllm_run import VllmError, kernels_from_log, root_cause
@@ -40,14 +40,6 @@ PROMPTS = (
 )
 
 CHAT_PROMPT = "What is the capital of France? Answer in one sentence."
-
-# what vLLM may report for each quant_method (CPU and CUDA builds pick different names)
-METHOD_NAMES = {
-    "awq": {"awq", "awq_marlin", "auto_awq"},
-    "gptq": {"gptq", "gptq_marlin", "auto_gptq"},
-    "compressed-tensors": {"compressed-tensors", "compressed_tensors"},
-}
-
 
 def _degenerate(tokens: list[int], logprobs: list[dict]) -> str | None:
     if not tokens:
@@ -120,7 +112,8 @@ def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str
             return out
         text = log.read_text(errors="replace")
     out.update(method=_method_from_log(text), kernels=kernels_from_log(text))
-    ok_method = out["method"] in METHOD_NAMES.get(expected, {expected})
+    fmt = formats.by_quant_method(expected)
+    ok_method = out["method"] in (fmt.reported_as if fmt else {expected})
     out["checks"]["method"] = ok_method
     if not ok_method:
         out["errors"].append(f"vLLM loaded quantization {out['method']!r}, the artifact declares {expected!r}")

@@ -13,20 +13,19 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from quantize import runner
+from quantize import formats, runner
 from quantize.manifest import MANIFEST
 from quantize.modelcard import protocol_sentence
 from quantize.paths import child
 from quantize.recipe import load_variants
 
-from eval.artifact import PACKED_TENSOR
 from eval.report import machine
 
 from .stages import evaluate
 
 log = logging.getLogger(__name__)
 
-PACKED = tuple(sorted(set(PACKED_TENSOR.values())))  # the int32 code tensors of all three formats
+PACKED = tuple(sorted({f.packed_tensor for f in formats.REGISTRY.values()}))  # every format's int32 code tensor
 
 
 def _header(path: Path) -> dict:

@@ -30,8 +30,6 @@ class Arch:
 
     layers: str  # dotted path of the ModuleList of decoder layers
     embed: str
-    final_norm: str
-    lm_head: str
     rotary: str | None
     linears: tuple[str, ...]  # quantizable linears of one decoder layer, in execution order
     scale_groups: tuple[ScaleGroup, ...]
@@ -45,8 +43,6 @@ class Arch:
 _LLAMA_LIKE = Arch(
     layers="model.layers",
     embed="model.embed_tokens",
-    final_norm="model.norm",
-    lm_head="lm_head",
     rotary="model.rotary_emb",
     linears=(
         "self_attn.q_proj",

@@ -32,7 +32,7 @@ Cheaper searches (recipe options, see docs/BENCHMARKS.md for what each costs in 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -44,7 +44,7 @@ from .primitives import fake_quant, qparams
 class QSpec:
     w_bit: int
     group: int
-    zero_point: bool
+    symmetric: bool = field(kw_only=True)  # by name only: a bare True must never be read as "has zero points"
 
 
 def _duo_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, ratio: float, duo_scaling: bool) -> torch.Tensor:
@@ -59,7 +59,7 @@ def _duo_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, ratio: float, duo_sc
 def _scaled_fake_quant(w: torch.Tensor, s: torch.Tensor, spec: QSpec) -> torch.Tensor:
     """w: [out, in], s: [in] -> Q(w · diag(s)) · diag(s)^-1 [out, in] in w's dtype."""
     scaled = w.float() * s.view(1, -1)  # [out, in]
-    return (fake_quant(scaled, spec.w_bit, spec.group, spec.zero_point) / s.view(1, -1)).to(w.dtype)
+    return (fake_quant(scaled, spec.w_bit, spec.group, symmetric=spec.symmetric) / s.view(1, -1)).to(w.dtype)
 
 
 def grid_order(n_grid: int, coarse_step: int) -> Iterator[list[int]]:
@@ -258,7 +258,7 @@ def search_clip(
 
     def consider(lo: torch.Tensor, hi: torch.Tensor) -> None:
         cur = torch.clamp(wg, lo.unsqueeze(-1), hi.unsqueeze(-1))  # [out, n_group, g]
-        delta = fake_quant(cur.reshape(out_f, in_f), spec.w_bit, g, spec.zero_point).reshape(wg.shape) - wg
+        delta = fake_quant(cur.reshape(out_f, in_f), spec.w_bit, g, symmetric=spec.symmetric).reshape(wg.shape) - wg
         err = _group_err(delta, gram)  # [out, n_group]
         better = err < min_err
         min_err[better] = err[better]
@@ -269,7 +269,7 @@ def search_clip(
     for i in steps:
         m = abs_max * (1 - i / n_grid)
         consider(torch.maximum(w_min, -m), torch.minimum(w_max, m))
-    if per_side and spec.zero_point:
+    if per_side and not spec.symmetric:
         half = (w_max - w_min) / 2
         lo = best_lo.clone()
         for i in steps:
@@ -289,7 +289,7 @@ def clip_grid(w: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None,
         out_f, in_f = w.shape
         wg = w.float().reshape(out_f, lo.shape[1], -1)  # [out, n_group, g]
         w = torch.clamp(wg, lo.unsqueeze(-1).to(wg), hi.unsqueeze(-1).to(wg)).reshape(out_f, in_f)
-    return qparams(w, spec.w_bit, spec.group, spec.zero_point)
+    return qparams(w, spec.w_bit, spec.group, symmetric=spec.symmetric)
 
 
 def refit_scales(w: torch.Tensor, gram: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, spec: QSpec,

@@ -20,11 +20,13 @@ import os
 import pickle
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from .export import DiskFullError, disk_full_errno
+from .files import atomic_write, atomic_write_text
 from .preflight import human_bytes
 
 log = logging.getLogger(__name__)
@@ -38,19 +40,6 @@ STATE = "state.json"
 def fingerprint(parts: dict) -> str:
     """Everything that determines a run's results (JSON-serialisable) -> sha256 hex."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:  # a file object: torch keeps the OSError (a full disk) as its error's context
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
 
 
 class Checkpointer:
@@ -120,15 +109,13 @@ class Checkpointer:
         state_path = self.dir / STATE
         state = json.loads(state_path.read_text()) if state_path.is_file() else {"layer_files": []}
         layer_file = f"layers-{lo:05d}-{hi:05d}.pt"
-        _save([job.snapshot(lo, hi) for job in jobs], self.dir / layer_file)
+        atomic_write(self.dir / layer_file, partial(torch.save, [job.snapshot(lo, hi) for job in jobs]))
         carry_file = f"carry-{hi:05d}.pt"
-        _save({"inputs": inputs, "chains": chains}, self.dir / carry_file)
+        atomic_write(self.dir / carry_file, partial(torch.save, {"inputs": inputs, "chains": chains}))
         old_carry = state.get("carry")
         state = {"fingerprint": self.fingerprint, "next_layer": hi, "layer_files": [*state["layer_files"], layer_file],
                  "carry": carry_file, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-        tmp = state_path.with_name(f".{STATE}.tmp")
-        tmp.write_text(json.dumps(state, indent=1))
-        os.replace(tmp, state_path)  # the commit point
+        atomic_write_text(state_path, json.dumps(state, indent=1))  # the commit point
         if old_carry and old_carry != carry_file:
             (self.dir / old_carry).unlink(missing_ok=True)
         self._saved_upto = hi

@@ -20,6 +20,7 @@ from .arch import Arch, active_scale_groups, layer_prefix
 from .capture import LayerData, NumericalError, feed_inputs
 from .device import clock as _clock
 from .device import gptq_sweep, side_stream
+from .formats.packing import pack_int32, unpack_int32
 from .primitives import dequantize, quantize, quantize_for_export
 from .runlog import RunLog
 
@@ -89,7 +90,8 @@ def _round_to_nearest(layer: nn.Module, names: list[str], spec: awq.QSpec, scale
     for n in names:
         w = layer.get_submodule(n).weight.data
         group = w.shape[1] if spec.group == -1 else spec.group
-        codes, scales, zeros = quantize_for_export(w, spec.w_bit, group, spec.zero_point, scale_dtype)
+        codes, scales, zeros = quantize_for_export(w, spec.w_bit, group, symmetric=spec.symmetric,
+                                                   scale_dtype=scale_dtype)
         _store(layer, n, prefix, codes, scales, zeros, results)
 
 
@@ -104,7 +106,7 @@ def _first(y):
 
 
 def _spec(recipe) -> awq.QSpec:
-    return awq.QSpec(recipe.w_bit, recipe.q_group_size, recipe.zero_point)
+    return awq.QSpec(recipe.w_bit, recipe.q_group_size, symmetric=recipe.symmetric)
 
 
 def search_batches(tokens_per_batch: list[int], search_tokens: int | None, seed: int) -> list[int]:
@@ -260,7 +262,7 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
 
 def gptq_spec(recipe, scale_dtype: torch.dtype) -> gptq.GptqSpec:
     o = recipe.gptq
-    return gptq.GptqSpec(recipe.w_bit, recipe.q_group_size, not recipe.zero_point, o.block_size, o.damp_percent,
+    return gptq.GptqSpec(recipe.w_bit, recipe.q_group_size, recipe.symmetric, o.block_size, o.damp_percent,
                          o.act_order, scale_dtype, o.update)
 
 
@@ -393,17 +395,14 @@ class Job:
 
 
 def _nibbles(codes: torch.Tensor) -> dict:
-    """uint8 codes [out, in] < 16 -> two per byte [out, in / 2] (halves a checkpoint); others unchanged."""
-    if codes.shape[-1] % 2 or int(codes.max()) > 15:
+    """uint8 codes [out, in] < 16 -> eight per int32 [out, in / 8] (halves a checkpoint); others unchanged."""
+    if codes.shape[-1] % 8 or int(codes.max()) > 15:
         return {"raw": codes}
-    return {"nibbles": codes[:, 0::2] | (codes[:, 1::2] << 4)}
+    return {"int4": pack_int32(codes, 4)}
 
 
 def _from_nibbles(d: dict) -> torch.Tensor:
-    if "raw" in d:
-        return d["raw"]
-    p = d["nibbles"]
-    return torch.stack([p & 0xF, p >> 4], dim=-1).reshape(p.shape[0], -1)  # [out, in / 2, 2] -> [out, in]
+    return d["raw"] if "raw" in d else unpack_int32(d["int4"], 4).to(torch.uint8)  # [out, in]
 
 
 def feature_names(arch: Arch) -> list[str]:

@@ -1,11 +1,13 @@
-"""File primitives every writer shares: sha256 of a file, fsync, and a text file replaced atomically."""
+"""File primitives every writer shares: sha256 of a file, fsync, and a file replaced atomically."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -24,16 +26,22 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` through a fsynced sibling temp file and a rename: readers see the old or the new
-    file, never a part."""
+def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Call write(f) on a fsynced sibling temp file opened "wb", then rename it to `path`: readers see the old or
+    the new file, never a part. A writer given a file object (torch.save) keeps a full disk's OSError as its own
+    error's context, where `export.disk_full_errno` finds it."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """`atomic_write` of UTF-8 text."""
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))

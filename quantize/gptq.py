@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class GptqSpec:
     w_bit: int
     group: int  # -1 = one group per output row (per-channel)
-    sym: bool
+    symmetric: bool
     block_size: int = 128
     damp: float = 0.01
     act_order: bool = False
@@ -179,13 +179,13 @@ def _feedback_factor(H: torch.Tensor, damp: float, textbook: bool, first: tuple 
 
 def _qp(w: torch.Tensor, spec: GptqSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """w: [out, g] -> scale [out], zero [out] (one group)."""
-    s, z = qparams(w, spec.w_bit, w.shape[1], zero_point=not spec.sym)
+    s, z = qparams(w, spec.w_bit, w.shape[1], symmetric=spec.symmetric)
     return s[:, 0].to(spec.scale_dtype).float(), z[:, 0]
 
 
 def _static_qparams(W: torch.Tensor, g: int, spec: GptqSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """W: [out, in] -> scales [out, in // g] (rounded to spec.scale_dtype), zeros [out, in // g]."""
-    s, z = qparams(W, spec.w_bit, g, zero_point=not spec.sym)
+    s, z = qparams(W, spec.w_bit, g, symmetric=spec.symmetric)
     return s.to(spec.scale_dtype).float(), z
 
 

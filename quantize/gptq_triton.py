@@ -48,13 +48,13 @@ def div_scalar(x, d, inv_d, RECIP: tl.constexpr):
 
 
 @triton.jit
-def group_qparams(W1, cols, start, group, inv_d, MAX_Q: tl.constexpr, SYM: tl.constexpr,
+def group_qparams(W1, cols, start, group, inv_d, MAX_Q: tl.constexpr, SYMMETRIC: tl.constexpr,
                   SCALE_KIND: tl.constexpr, RECIP: tl.constexpr):
     """W1 [R, B], columns [start, start + group) -> (scale [R] rounded to the stored dtype, zero [R]).
 
     Same formula as `primitives.qparams`; the zero point uses the fp32 scale, as there."""
     gm = ((cols >= start) & (cols < start + group))[None, :]
-    if SYM:
+    if SYMMETRIC:
         amax = tl.max(tl.where(gm, tl.abs(W1), 0.0), axis=1)
         s = div_scalar(tl.maximum(amax, 1e-5), (MAX_Q + 1) // 2 - 1.0, inv_d, RECIP)
         z = tl.zeros_like(s) + (MAX_Q + 1) // 2
@@ -75,7 +75,7 @@ def group_qparams(W1, cols, start, group, inv_d, MAX_Q: tl.constexpr, SYM: tl.co
 @triton.jit
 def sweep_block(W_ptr, W0_ptr, stride_w, A_ptr, stride_a0, stride_a1, t_ptr, Q_ptr, stride_q, D_ptr, stride_d,
                 S_ptr, Z_ptr, stride_s, gidx_ptr, loss_ptr, n_rows, n_cols, i1, group, inv_d,
-                MAX_Q: tl.constexpr, SYM: tl.constexpr, SCALE_KIND: tl.constexpr, RECIP: tl.constexpr,
+                MAX_Q: tl.constexpr, SYMMETRIC: tl.constexpr, SCALE_KIND: tl.constexpr, RECIP: tl.constexpr,
                 COMPUTE_GROUPS: tl.constexpr, FEED_ORIGINAL: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R]
@@ -97,7 +97,7 @@ def sweep_block(W_ptr, W0_ptr, stride_w, A_ptr, stride_a0, stride_a1, t_ptr, Q_p
     for i0 in range(0, n_cols, seg):
         if COMPUTE_GROUPS:  # group inside the block: parameters from its updated columns
             j = tl.load(gidx_ptr + i1 + i0)
-            s, z = group_qparams(W1, cols, i0, group, inv_d, MAX_Q, SYM, SCALE_KIND, RECIP)
+            s, z = group_qparams(W1, cols, i0, group, inv_d, MAX_Q, SYMMETRIC, SCALE_KIND, RECIP)
             tl.store(S_ptr + rows * stride_s + j, s, mask=rmask)
             tl.store(Z_ptr + rows * stride_s + j, z.to(tl.int32), mask=rmask)
         for i in range(i0, i0 + seg):
@@ -135,7 +135,7 @@ def sweep_triton(W: torch.Tensor, W0: torch.Tensor, A: torch.Tensor, t: torch.Te
     assert W.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()
     block = triton.next_power_of_2(spec.block_size)
     max_q = 2**spec.w_bit - 1
-    divisor = max_q if not spec.sym else 2 ** (spec.w_bit - 1) - 1  # primitives.qparams' Python-scalar divisor
+    divisor = 2 ** (spec.w_bit - 1) - 1 if spec.symmetric else max_q  # primitives.qparams' Python-scalar divisor
     inv_d = (torch.tensor(1.0) / divisor).item()  # fp32 1/d, exactly as aten computes it
     t = t.contiguous()
     codes = torch.zeros(out_f, in_f, dtype=torch.uint8, device=W.device)
@@ -149,7 +149,7 @@ def sweep_triton(W: torch.Tensor, W0: torch.Tensor, A: torch.Tensor, t: torch.Te
         D1 = torch.empty(out_f, i2 - i1, device=W.device)  # same layout as the torch sweep's: same matmul
         sweep_block[grid](W, W0, W.stride(0), A, A.stride(0), A.stride(1), t, codes, codes.stride(0), D1,
                           D1.stride(0), scales, zeros, scales.stride(0), gidx_t, row_loss, out_f, i2 - i1, i1, g,
-                          inv_d, MAX_Q=max_q, SYM=spec.sym, SCALE_KIND=_SCALE_KIND[spec.scale_dtype],
+                          inv_d, MAX_Q=max_q, SYMMETRIC=spec.symmetric, SCALE_KIND=_SCALE_KIND[spec.scale_dtype],
                           RECIP=W.device.type == "cuda", COMPUTE_GROUPS=not spec.act_order and g < i2 - i1,
                           FEED_ORIGINAL=spec.act_order, BLOCK_R=BLOCK_ROWS, BLOCK=block, num_warps=4,
                           enable_fp_fusion=False)

@@ -14,13 +14,16 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from . import serve_config
+from . import formats, serve_config
 
 log = logging.getLogger(__name__)
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-FORMAT_NAMES = {"awq": "AutoAWQ GEMM (quant_method awq)", "gptq": "GPTQ v1 (quant_method gptq)",
-                "compressed-tensors": "compressed-tensors pack-quantized"}
+
+
+def _title(name: str) -> str:
+    """A format's name as the card prints it (a manifest may name one this version does not know)."""
+    return formats.REGISTRY[name].title if name in formats.REGISTRY else name
 
 
 def _kept_16bit(m: dict) -> list[str]:
@@ -140,7 +143,7 @@ def render(manifest: dict, report: dict | None = None) -> str:
         f"# {m['artifact']}", "",
         f"`{m['model']['spec']}` quantized to {r['w_bit']}-bit weights ({r['method'].upper()}, group size "
         f"{r['q_group_size']}, {'asymmetric with zero points' if r['zero_point'] else 'symmetric'}; activations "
-        f"stay 16-bit), stored as {FORMAT_NAMES.get(m['format']['name'], m['format']['name'])}.", "",
+        f"stay 16-bit), stored as {_title(m['format']['name'])}.", "",
         *_serve(m),
         "## Quantization", "",
         "| setting | value |", "|---|---|",

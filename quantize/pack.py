@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import awq_gemm, compressed_tensors, gptq
+from . import formats
 
 
 def _on(device: torch.device, fn):
@@ -20,28 +20,12 @@ def pack_all(results: dict, recipe, skipped: list[str], dtype: torch.dtype,
              device: torch.device | str = "cpu") -> tuple[dict[str, dict], dict]:
     """results: module -> QuantResult -> ({module: {suffix: tensor}} on the CPU, quantization_config).
 
-    skipped: full names of quantizable linears left in 16-bit by the plan (they must be named where the
-    format needs it: AWQ's modules_to_not_convert, compressed-tensors' ignore). device: where to pack.
+    skipped: full names of every quantizable linear the plan leaves in 16-bit, for modules_to_not_convert or an
+    indivisible shape (the format must name each one where it needs to: AWQ's modules_to_not_convert,
+    compressed-tensors' ignore, or vLLM expects packed tensors for it). device: where to pack.
     """
-    fmt, bits, g = recipe.out_format, recipe.w_bit, recipe.q_group_size
-    sym = not recipe.zero_point
-    device = torch.device(device)
-    if fmt == "awq":
-        pack = _on(device, awq_gemm.pack)
-        packed = {m: pack(r.codes, r.scales.to(dtype), r.zeros) for m, r in results.items()}
-        extra = [s for s in skipped if not any(x in s for x in recipe.modules_to_not_convert)]
-        return packed, awq_gemm.quantization_config(bits, g, recipe.zero_point,
-                                                    list(recipe.modules_to_not_convert) + extra)
-    if fmt == "gptq":
-        pack = _on(device, gptq.pack)
-        packed = {m: pack(r.codes, r.scales.to(dtype), r.zeros, bits) for m, r in results.items()}
-        o = recipe.gptq
-        act = recipe.method == "gptq" and o.act_order
-        return packed, gptq.quantization_config(bits, g, sym, act, o.true_sequential, o.damp_percent)
-    if fmt == "compressed-tensors":
-        pack = _on(device, compressed_tensors.pack)
-        packed = {m: pack(r.codes, r.scales.to(dtype), r.zeros, bits, sym) for m, r in results.items()}
-        act = recipe.method == "gptq" and recipe.gptq.act_order
-        ignore = ["lm_head", *skipped]
-        return packed, compressed_tensors.quantization_config(bits, g, sym, act, ignore)
-    raise ValueError(f"unknown format {fmt!r}")
+    fmt = formats.get(recipe.out_format)
+    pack = _on(torch.device(device), fmt.pack)
+    packed = {m: pack(r.codes, r.scales.to(dtype), r.zeros, recipe.w_bit, recipe.symmetric)
+              for m, r in results.items()}
+    return packed, fmt.quantization_config(recipe, skipped)

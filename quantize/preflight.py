@@ -2,9 +2,8 @@
 
 The model is instantiated on the meta device (shapes only). The result is a `Plan`: which linears are
 converted, which are kept in 16-bit and why, and for each converted linear the vLLM kernel it will get.
-Kernel rules (vLLM 0.32, marlin_utils): Marlin needs group size in {-1, 32, 64, 128}, in_features divisible
-by 128 and by the group size, out_features divisible by 64; GPTQ-Marlin needs symmetric weights. On the CPU
-build every format runs through the CPU W4A16/W8A16 kernel.
+The CUDA kernel rules are the format's (`formats.Format.cuda_kernel`: Marlin's tiles, GPTQ-Marlin's symmetry);
+on the CPU build every format runs through the CPU W4A16 kernel.
 """
 
 from __future__ import annotations
@@ -17,15 +16,13 @@ from pathlib import Path
 
 import torch
 
+from . import formats
 from .arch import Arch, decoder_layers, layer_prefix
 from .recipe import Recipe
 
-MARLIN_GROUPS = (-1, 32, 64, 128)
-MARLIN_MIN_K, MARLIN_MIN_N = 128, 64
 TP_SIZES = (1, 2, 4, 8)
 # vLLM's CPU build (CPUWNA16) serves uint4 / uint4b8 only: 8-bit artifacts need a CUDA vLLM (checked 0.32).
 CPU_KERNEL = {4: "cpu_wna16", 8: "none: the CPU build serves 4-bit only (CUDA Marlin serves 8-bit)"}
-PACK_ALONG_OUT = {"awq": 8}  # AWQ GEMM packs 8 nibbles along out_features
 
 
 class PreflightError(ValueError):
@@ -86,18 +83,6 @@ class Plan:
         return json.dumps(asdict(self), indent=2)
 
 
-def _cuda_kernel(fmt: str, in_f: int, out_f: int, group: int, sym: bool) -> tuple[str, str]:
-    marlin_ok = group in MARLIN_GROUPS and in_f % MARLIN_MIN_K == 0 and out_f % MARLIN_MIN_N == 0 and (
-        group == -1 or in_f % group == 0)
-    why = "" if marlin_ok else f"in {in_f} % 128, out {out_f} % 64 or group {group} breaks Marlin's tiles"
-    if fmt == "awq":
-        # vLLM pads tile-misaligned AWQ layers for Marlin (allow_tile_padding=True)
-        return ("awq_marlin", "") if group in MARLIN_GROUPS else ("awq (gemm)", why)
-    if fmt == "gptq":
-        return ("gptq_marlin", "") if marlin_ok and sym else ("gptq (exllama)", why or "asymmetric")
-    return ("marlin (compressed-tensors wNa16)", "") if marlin_ok else ("compressed-tensors fallback kernel", why)
-
-
 def _tp_sizes(shapes: list[tuple[str, int, int, bool]], group: int) -> list[int]:
     ok = []
     for tp in TP_SIZES:
@@ -118,7 +103,7 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
 
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.trust_remote_code)
-    fmt, g = recipe.out_format, recipe.q_group_size
+    fmt, g = formats.get(recipe.out_format), recipe.q_group_size
     out, problems, shapes = Plan(), [], []
     for i, layer in enumerate(decoder_layers(meta, arch)):
         prefix = layer_prefix(arch, i)
@@ -131,7 +116,7 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
         bad = set()
         for n in sorted(wanted, key=arch.linears.index):
             out_f, in_f = layer.get_submodule(n).weight.shape
-            if (g != -1 and in_f % g) or out_f % PACK_ALONG_OUT.get(fmt, 1) or in_f % (32 // recipe.w_bit):
+            if (g != -1 and in_f % g) or out_f % fmt.pack_along_out or in_f % (32 // recipe.w_bit):
                 bad.add(n)
         for fused in arch.fused:  # a fused set is skipped as a whole
             if bad & set(fused):
@@ -146,14 +131,15 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
                 ok = [x for x in (32, 64, 128) if in_f % x == 0]
                 msg = (f"{full}: in_features {in_f} is not divisible by q_group_size {g}"
                        + (f"; q_group_size {ok} would divide it" if ok else ""))
-                if out_f % PACK_ALONG_OUT.get(fmt, 1):
-                    msg = f"{full}: out_features {out_f} is not divisible by 8 (the AWQ GEMM packing)"
+                if out_f % fmt.pack_along_out:
+                    msg = (f"{full}: out_features {out_f} is not divisible by {fmt.pack_along_out} (format "
+                           f"{fmt.name} packs {fmt.pack_along_out} codes per int32 along out_features)")
                 if recipe.on_indivisible == "skip":
                     out.skipped[full] = msg.split(": ", 1)[1] + " (on_indivisible: skip)"
                 else:
                     problems.append(msg + "; or set on_indivisible: skip, or add it to modules_to_not_convert")
                 continue
-            kernel, note = _cuda_kernel(fmt, in_f, out_f, g, not recipe.zero_point)
+            kernel, note = fmt.cuda_kernel(in_f, out_f, g, recipe.symmetric)
             out.convert.append(full)
             out.layers.append(LayerCheck(full, in_f, out_f, kernel, CPU_KERNEL.get(recipe.w_bit, "none"), note))
             shapes.append((full, in_f, out_f, n in arch.row_parallel))
@@ -204,10 +190,12 @@ def estimate_tensor_bytes(meta, convert: set[str], recipe: Recipe, tied: bool) -
     """Bytes of the tensors the artifact will hold, from shapes alone (a meta-device model).
 
     A converted linear [out, in] -> packed codes out*in*b/8 + scales n_group*out*2 + zeros n_group*out*b/8
-    (+ g_idx in*4 for GPTQ); every other tensor at the recipe dtype (2 bytes); a tied lm_head is not written.
+    (+ an index over inputs, GPTQ's g_idx in*4); every other tensor at the recipe dtype (2 bytes); a tied
+    lm_head is not written.
     """
     item = torch.empty((), dtype=getattr(torch, recipe.dtype)).element_size()
     bits, g = recipe.w_bit, recipe.q_group_size
+    index_bytes = formats.get(recipe.out_format).index_bytes_per_input
     total = 0
     for name, t in meta.state_dict().items():
         module = name.removesuffix(".weight")
@@ -217,7 +205,7 @@ def estimate_tensor_bytes(meta, convert: set[str], recipe: Recipe, tied: bool) -
             out_f, in_f = t.shape
             groups = 1 if g == -1 else math.ceil(in_f / g)
             total += out_f * in_f * bits // 8 + groups * out_f * (item + math.ceil(bits / 8))
-            total += in_f * 4 if recipe.out_format == "gptq" else 0
+            total += in_f * index_bytes
         else:
             total += t.numel() * (item if t.is_floating_point() else t.element_size())
     return total

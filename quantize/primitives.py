@@ -9,8 +9,8 @@ Granularity: one (scale, zero) pair per `group` consecutive input columns of eac
 | dequantize    | codes, scales, zeros        | w_hat [out, in]: (q - z) * s                    |
 | fake_quant    | w [out, in]                 | dequantize(quantize(w))                         |
 
-Asymmetric (zero_point=True): s = (max - min) / (2^b - 1), z = round(-min / s).
-Symmetric (zero_point=False): s = absmax / (2^(b-1) - 1), z = 2^(b-1) for every group (the value vLLM
+Asymmetric (symmetric=False): s = (max - min) / (2^b - 1), z = round(-min / s).
+Symmetric (symmetric=True): s = absmax / (2^(b-1) - 1), z = 2^(b-1) for every group (the value vLLM
 assumes for AutoAWQ GEMM without zero points and for symmetric GPTQ).
 """
 
@@ -25,18 +25,23 @@ def _grouped(w: torch.Tensor, group: int) -> torch.Tensor:
     return w.reshape(out, inp // group, group)  # [out, n_group, g]
 
 
-def qparams(w: torch.Tensor, w_bit: int, group: int, zero_point: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def symmetric_zero(w_bit: int) -> int:
+    """The zero point of every symmetric group: 2^(b-1), the code that stands for 0."""
+    return 2 ** (w_bit - 1)
+
+
+def qparams(w: torch.Tensor, w_bit: int, group: int, *, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """w: [out, in] -> scales: [out, in // g] (fp32), zeros: [out, in // g] (int32)."""
     wg = _grouped(w.float(), group)  # [out, n_group, g]
-    if zero_point:
+    if symmetric:
+        scales = wg.abs().amax(dim=-1).clamp(min=1e-5) / (2 ** (w_bit - 1) - 1)
+        zeros = torch.full_like(scales, symmetric_zero(w_bit))
+    else:
         max_int = 2**w_bit - 1
         w_max = wg.amax(dim=-1)
         w_min = wg.amin(dim=-1)
         scales = (w_max - w_min).clamp(min=1e-5) / max_int
         zeros = (-torch.round(w_min / scales)).clamp(0, max_int)
-    else:
-        scales = wg.abs().amax(dim=-1).clamp(min=1e-5) / (2 ** (w_bit - 1) - 1)
-        zeros = torch.full_like(scales, 2 ** (w_bit - 1))
     return scales, zeros.to(torch.int32)
 
 
@@ -59,21 +64,21 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     return w.reshape(out, inp)
 
 
-def fake_quant(w: torch.Tensor, w_bit: int, group: int, zero_point: bool) -> torch.Tensor:
+def fake_quant(w: torch.Tensor, w_bit: int, group: int, *, symmetric: bool) -> torch.Tensor:
     """w: [out, in] -> the weight the quantized model computes with, same shape and dtype as w."""
-    scales, zeros = qparams(w, w_bit, group, zero_point)
+    scales, zeros = qparams(w, w_bit, group, symmetric=symmetric)
     return dequantize(quantize(w, scales, zeros, w_bit), scales, zeros).to(w.dtype)
 
 
 def quantize_for_export(
-    w: torch.Tensor, w_bit: int, group: int, zero_point: bool, scale_dtype: torch.dtype
+    w: torch.Tensor, w_bit: int, group: int, *, symmetric: bool, scale_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w: [out, in] -> (codes uint8 [out, in], scales [out, in // g] in scale_dtype, zeros int32 [out, in // g]).
 
     Scales are rounded to the stored dtype *before* the codes are computed, so dequantizing the stored
     tensors gives exactly the weight the codes were chosen for.
     """
-    scales, zeros = qparams(w, w_bit, group, zero_point)
+    scales, zeros = qparams(w, w_bit, group, symmetric=symmetric)
     scales = scales.to(scale_dtype)
     codes = quantize(w, scales, zeros, w_bit)
     return codes, scales, zeros

@@ -16,21 +16,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import formats
+
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
-# What vLLM 0.32 serves, per method and format (see ../shared/VLLM.md). One place for these facts.
-AWQ_VERSIONS_SERVED = ("gemm",)
-AWQ_VERSIONS_REFUSED = {
-    "gemv": "vLLM cannot load AutoAWQ GEMV layouts",
-    "gemv_fast": "vLLM cannot load AutoAWQ GEMV-fast layouts",
-    "marlin": "vLLM cannot load AutoAWQ's pre-packed Marlin layout (it repacks GEMM checkpoints itself)",
-    "exllama": "AutoAWQ's ExLlama layout is a runtime kernel choice, not a checkpoint format vLLM reads",
-}
-AWQ_BITS_SERVED = (4,)
-GPTQ_BITS_SERVED = (4, 8)  # GPTQ v1 and compressed-tensors pack-quantized: vLLM serves 4- and 8-bit
-GROUP_SIZES = (-1, 32, 64, 128)  # -1 = per output channel (GPTQ / compressed-tensors formats only)
-FORMATS = ("awq", "gptq", "compressed-tensors")
-DEFAULT_FORMAT = {"awq": "awq", "rtn": "awq", "gptq": "gptq"}
+GROUP_SIZES = (-1, 32, 64, 128)  # -1 = per output channel (formats/ says which take it)
 
 
 class RecipeError(ValueError):
@@ -199,8 +189,8 @@ class Recipe(_Strict):
     method: Literal["awq", "gptq", "rtn"]
     w_bit: int = 4
     q_group_size: int = 128
-    zero_point: bool = True  # false = symmetric (GPTQ's sym: true)
-    format: Literal["auto", "awq", "gptq", "compressed-tensors"] = "auto"  # auto: awq for awq/rtn, gptq for gptq
+    zero_point: bool = True  # AutoAWQ's key; false = symmetric (code inside the package says `symmetric`)
+    format: Literal[("auto", *formats.NAMES)] = "auto"  # auto: formats.default_for(method)
     version: str = "gemm"  # AWQ kernel layout (format awq)
     on_indivisible: Literal["error", "skip"] = "error"  # a layer whose in_features the group size does not divide
     calibration: Calibration = Calibration()
@@ -238,37 +228,21 @@ class Recipe(_Strict):
         return self.serve.served_model_name or self.name
 
     @property
+    def symmetric(self) -> bool:
+        """No zero points: every group's zero is 2^(b-1). The one place the recipe's `zero_point` is turned
+        into the name (and polarity) the code uses."""
+        return not self.zero_point
+
+    @property
     def out_format(self) -> str:
         """The on-disk format actually written."""
-        return DEFAULT_FORMAT[self.method] if self.format == "auto" else self.format
+        return formats.default_for(self.method).name if self.format == "auto" else self.format
 
     @model_validator(mode="after")
     def _served_by_vllm(self) -> "Recipe":
-        fmt = self.out_format
-        if fmt == "awq":
-            if self.w_bit not in AWQ_BITS_SERVED:
-                raise ValueError(
-                    f"w_bit {self.w_bit} is not allowed with format awq (AutoAWQ GEMM): vLLM serves only "
-                    f"w_bit {list(AWQ_BITS_SERVED)} in that format; use format: compressed-tensors for 8-bit"
-                )
-            if self.version in AWQ_VERSIONS_REFUSED:
-                raise ValueError(
-                    f"version {self.version!r} is refused: {AWQ_VERSIONS_REFUSED[self.version]}; "
-                    f"use version: gemm"
-                )
-            if self.version not in AWQ_VERSIONS_SERVED:
-                raise ValueError(f"version {self.version!r} is unknown; use one of {list(AWQ_VERSIONS_SERVED)}")
-            if self.q_group_size == -1:
-                raise ValueError("q_group_size -1 (per channel) is not served in format awq; use 32, 64 or 128")
-        else:
-            if self.w_bit not in GPTQ_BITS_SERVED:
-                raise ValueError(f"w_bit {self.w_bit} is not allowed with format {fmt}: vLLM serves "
-                                 f"{list(GPTQ_BITS_SERVED)}")
-        if fmt == "gptq" and self.zero_point:
-            raise ValueError(
-                "zero_point true (asymmetric) is not allowed with format gptq: vLLM 0.32 accepts only sym: true "
-                "GPTQ checkpoints; set zero_point: false, or format: compressed-tensors for asymmetric weights"
-            )
+        problem = formats.get(self.out_format).problem(self)
+        if problem:
+            raise ValueError(problem)
         if self.method == "gptq" or (self.method == "awq" and self.awq.rounding == "gptq"):
             b, g = self.gptq.block_size, self.q_group_size
             if g != -1 and b % g and g % b:

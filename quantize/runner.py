@@ -243,8 +243,8 @@ def _checkpointer(recipes: list[Recipe], first_out: Path, pf: Checked,
 
 def _plan_and_log(recipe: Recipe, config, arch):
     the_plan = plan(config, arch, recipe, is_skipped)
-    log.info("recipe %s: %s w%d g%d zero_point=%s format %s", recipe.name, recipe.method, recipe.w_bit,
-             recipe.q_group_size, recipe.zero_point, recipe.out_format)
+    log.info("recipe %s: %s w%d g%d symmetric=%s format %s", recipe.name, recipe.method, recipe.w_bit,
+             recipe.q_group_size, recipe.symmetric, recipe.out_format)
     log.info("pre-flight: %s\n%s", the_plan.summary(), the_plan.table())
     for name, why in the_plan.skipped.items():
         if why != "modules_to_not_convert":
@@ -289,8 +289,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
     """Pack one job's results and write its artifact directory atomically (timed into its manifest)."""
     recipe = job.recipe
     t0 = time.perf_counter()
-    skipped = [n for n, why in the_plan.skipped.items() if why != "modules_to_not_convert"]
-    packed, qcfg = pack_all(job.results, recipe, skipped, run.dtype, run.device)
+    packed, qcfg = pack_all(job.results, recipe, list(the_plan.skipped), run.dtype, run.device)
     drop = {"lm_head.weight"} if run.tied else set()
     tensors = export.build_state_dict(model, packed, run.dtype, drop, job.overrides)
     export.check_finite(tensors, f"the checkpoint {run.src.path}")

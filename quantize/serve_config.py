@@ -19,17 +19,16 @@ from pathlib import Path
 
 import yaml
 
+from . import formats
+
 SERVE_CONFIG = "vllm-serve.yaml"
 DEFAULT_PORT = 8000
-# the quantization method vLLM runs each format with, by the kernel pre-flight chose (preflight._cuda_kernel):
-# a layer Marlin cannot take sends the whole model to the format's own kernel
-METHODS = {"awq": ("awq_marlin", "awq"), "gptq": ("gptq_marlin", "gptq"),
-           "compressed-tensors": ("compressed-tensors", "compressed-tensors")}
 
 
 def quantization_method(fmt: str, cuda_kernels: list[str]) -> str:
-    """Format + the CUDA kernel of every converted linear -> vLLM's --quantization value."""
-    marlin, fallback = METHODS[fmt]
+    """Format + the CUDA kernel of every converted linear (pre-flight's) -> vLLM's --quantization value: a layer
+    Marlin cannot take sends the whole model to the format's own kernel."""
+    marlin, fallback = formats.get(fmt).served_as
     return marlin if cuda_kernels and all("marlin" in k for k in cuda_kernels) else fallback
 
 

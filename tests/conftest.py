@@ -107,6 +107,21 @@ def tiny_eval_artifact(tiny_llama, tmp_path_factory) -> tuple[Path, Path]:
     return runner.run(recipe, out_root=tmp / "a"), recipe
 
 
+KEPT_16BIT = "model.layers.0.mlp.down_proj"  # a linear the recipe keeps 16-bit, named as a user names it
+
+
+@pytest.fixture(scope="session")
+def kept_16bit_artifacts(tiny_llama, tmp_path_factory) -> dict[str, Path]:
+    """format -> a tiny Llama artifact (round-to-nearest) whose recipe keeps KEPT_16BIT out of the conversion."""
+    from quantize import runner
+
+    tmp = tmp_path_factory.mktemp("kept-16bit")
+    over = {"awq": {}, "gptq": dict(zero_point=False), "compressed-tensors": {}}
+    return {fmt: runner.run(tiny_recipe(tmp, tiny_llama, name=f"keep-{fmt}", method="rtn", format=fmt,
+                                        modules_to_not_convert=["lm_head", KEPT_16BIT], **kw), out_root=tmp / "a")
+            for fmt, kw in over.items()}
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
@@ -133,7 +148,7 @@ def kl_divergence(ref, model, ids: torch.Tensor) -> float:
 
 def pytest_collection_modifyitems(config, items):
     """Tests that load a 4-bit artifact in vLLM skip, saying why, where vLLM cannot serve 4-bit weights (an
-    AVX2-only CPU); those marked vllm_no_4bit run no 4-bit linear in vLLM, and still run."""
+    AVX2-only CPU); those marked vllm_no_4bit or vllm_load_only run no 4-bit linear in vLLM, and still run."""
     from eval.smoke import vllm_unavailable
 
     why = vllm_unavailable()
@@ -141,7 +156,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason=f"vLLM cannot load 4-bit weights here: {why}")
     for item in items:
-        if "vllm" in item.keywords and "vllm_no_4bit" not in item.keywords:
+        if "vllm" in item.keywords and not {"vllm_no_4bit", "vllm_load_only"} & set(item.keywords):
             item.add_marker(skip)
 
 

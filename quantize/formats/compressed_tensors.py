@@ -2,59 +2,53 @@
 
 - weight_packed int32 [out, in * b / 32]: signed code + 2^(b-1) packed along `in` (low bits first)
 - weight_scale [out, n_group]; weight_shape [2]
-- asymmetric adds weight_zero_point int32 [out * b / 32, n_group]: signed zero + 2^(b-1), packed along `out`
+- asymmetric adds weight_zero_point int32 [ceil(out * b / 32), n_group]: signed zero + 2^(b-1), packed along `out`
 Our codes are unsigned in [0, 2^b) with zero z, so signed code = code - 2^(b-1) and signed zero = z - 2^(b-1):
-the stored nibbles are our codes and zeros unchanged. The `compressed_tensors` package does the packing and
-builds the config block, so the bits are the ones its own compressor produces.
+the stored values are our codes and zeros unchanged, packed low bits first by `packing.pack_int32` (the
+`compressed_tensors` package's own packer gives the same bits: tests/unit/test_formats_gptq_ct.py). The config
+block is built with that package's schema classes.
 """
 
 from __future__ import annotations
 
 import torch
 
-BITS_SERVED = (4, 8)
+from ..primitives import symmetric_zero
+from .packing import pack_int32, unpack_int32
 
 
-def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, sym: bool) -> dict:
+def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, symmetric: bool) -> dict:
     """codes [out, in] uint8, scales/zeros [out, n_group] -> compressed-tensors tensors of one linear."""
-    # imported here: compressed_tensors takes seconds to import (it pulls in transformers' loaders), and runs
-    # writing the AWQ or GPTQ format never need it
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
-    off = 2 ** (bits - 1)
     out = {
-        "weight_packed": pack_to_int32((codes.to(torch.int16) - off).to(torch.int8), bits),  # [out, in*b/32]
+        "weight_packed": pack_int32(codes, bits),  # [out, in*b/32]
         "weight_scale": scales.contiguous(),  # [out, n_group]
         "weight_shape": torch.tensor(list(codes.shape), dtype=torch.int64),
     }
-    if not sym:
-        zp = (zeros.to(torch.int16) - off).to(torch.int8)  # [out, n_group] signed
-        out["weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0).contiguous()  # [out*b/32, n_group]
+    if not symmetric:
+        out["weight_zero_point"] = pack_int32(zeros.t(), bits).t().contiguous()  # [out*b/32, n_group]
     return out
 
 
 def unpack(tensors: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> codes [out, in] uint8, scales [out, n_group], zeros [out, n_group] int32 (2^(b-1) when symmetric)."""
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
-    off = 2 ** (bits - 1)
-    shape = torch.Size(tensors["weight_shape"].tolist())
+    out_f, in_f = tensors["weight_shape"].tolist()
     scales = tensors["weight_scale"]
-    codes = (unpack_from_int32(tensors["weight_packed"], bits, shape).to(torch.int16) + off).to(torch.uint8)
+    codes = unpack_int32(tensors["weight_packed"], bits, cols=in_f).to(torch.uint8)  # [out, in]
     if "weight_zero_point" in tensors:
-        zp = unpack_from_int32(tensors["weight_zero_point"], bits, torch.Size([shape[0], scales.shape[1]]), 0)
-        zeros = (zp.to(torch.int32) + off)
+        zeros = unpack_int32(tensors["weight_zero_point"].t(), bits, cols=out_f).t().to(torch.int32)  # [out, n_group]
     else:
-        zeros = torch.full(scales.shape, off, dtype=torch.int32, device=scales.device)
+        zeros = torch.full(scales.shape, symmetric_zero(bits), dtype=torch.int32, device=scales.device)
     return codes, scales, zeros
 
 
-def quantization_config(bits: int, group: int, sym: bool, act_order: bool, ignore: list[str]) -> dict:
+def quantization_config(bits: int, group: int, symmetric: bool, act_order: bool, ignore: list[str]) -> dict:
     """config.json `quantization_config`, built with compressed_tensors' own schema classes."""
+    # imported here: compressed_tensors takes seconds to import (it pulls in transformers' loaders), and runs
+    # writing the AWQ or GPTQ format never need it
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     weights = QuantizationArgs(
-        num_bits=bits, type="int", symmetric=sym, dynamic=False,
+        num_bits=bits, type="int", symmetric=symmetric, dynamic=False,
         strategy="channel" if group == -1 else "group", group_size=None if group == -1 else group,
         actorder="static" if act_order else None, observer="minmax",
     )

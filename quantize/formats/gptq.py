@@ -11,25 +11,7 @@ from __future__ import annotations
 
 import torch
 
-BITS_SERVED = (4, 8)
-
-
-def _pack_rows(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """x: [rows, cols] ints in [0, 2^b) -> int32 [rows * b / 32, cols]: value of row (32/b)·r + j at bits b·j."""
-    per = 32 // bits
-    rows, cols = x.shape
-    assert rows % per == 0, f"rows={rows} not divisible by {per}"
-    x = x.to(torch.int64).reshape(rows // per, per, cols)  # [rows/per, per, cols]
-    shifts = (torch.arange(per, dtype=torch.int64, device=x.device) * bits).view(1, per, 1)
-    packed = (x << shifts).sum(dim=1)  # [rows/per, cols]
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
-def _unpack_rows(p: torch.Tensor, bits: int) -> torch.Tensor:
-    per = 32 // bits
-    shifts = (torch.arange(per, dtype=torch.int64, device=p.device) * bits).view(1, per, 1)
-    vals = (p.to(torch.int64).unsqueeze(1) >> shifts) & (2**bits - 1)  # [r, per, cols]
-    return vals.reshape(-1, p.shape[1])
+from .packing import pack_int32, unpack_int32
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
@@ -38,16 +20,11 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: i
     n_group = scales.shape[1]
     g = in_f // n_group
     return {
-        "qweight": _pack_rows(codes.t().contiguous(), bits),  # [in*b/32, out]
-        "qzeros": _pack_cols(zeros.t().contiguous().to(torch.int64) - 1, bits),  # [n_group, out*b/32], v1: z - 1
+        "qweight": pack_int32(codes, bits).t().contiguous(),  # [out, in*b/32] -> [in*b/32, out]
+        "qzeros": pack_int32(zeros.t().to(torch.int64) - 1, bits),  # [n_group, out*b/32], v1: z - 1
         "scales": scales.t().contiguous(),  # [n_group, out]
         "g_idx": (torch.arange(in_f) // g).to(torch.int32),  # [in]
     }
-
-
-def _pack_cols(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """x: [rows, cols] -> int32 [rows, cols * b / 32], column (32/b)·c + j at bits b·j."""
-    return _pack_rows(x.t().contiguous(), bits).t().contiguous()
 
 
 def unpack(tensors: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -58,12 +35,12 @@ def unpack(tensors: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, t
     if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(in_f, device=g_idx.device) // (in_f // n_group)):
         raise ValueError("g_idx is not contiguous (i // group_size): a permuted g_idx needs desc_act, "
                          "which vLLM 0.32 rejects")
-    codes = _unpack_rows(tensors["qweight"], bits).t().contiguous().to(torch.uint8)  # [out, in]
-    zeros = (_unpack_rows(tensors["qzeros"].t().contiguous(), bits).t() + 1).to(torch.int32)  # [n_group, out]
+    codes = unpack_int32(tensors["qweight"].t(), bits).to(torch.uint8)  # [out, in]
+    zeros = (unpack_int32(tensors["qzeros"], bits) + 1).to(torch.int32)  # [n_group, out]
     return codes, tensors["scales"].t().contiguous(), zeros.t().contiguous()
 
 
-def quantization_config(bits: int, group: int, sym: bool, act_order: bool, true_sequential: bool,
+def quantization_config(bits: int, group: int, symmetric: bool, act_order: bool, true_sequential: bool,
                         damp: float) -> dict:
     """config.json `quantization_config` for vLLM's gptq / gptq_marlin (desc_act always false: see above).
 
@@ -73,7 +50,7 @@ def quantization_config(bits: int, group: int, sym: bool, act_order: bool, true_
         "quant_method": "gptq",
         "bits": bits,
         "group_size": group,
-        "sym": sym,
+        "sym": symmetric,
         "desc_act": False,
         "static_groups": act_order,
         "true_sequential": true_sequential,

@@ -10,8 +10,9 @@ from eval.artifact import dequantized_state_dict, load_dequantized
 from quantize import export, runner
 from quantize.files import sha256_file
 from quantize.arch import UnsupportedArchitecture
-from quantize.formats import awq_gemm
-from tests.conftest import heldout_ids, kl_divergence as _kl, build_tiny_model, tiny_recipe
+from quantize.formats.awq_gemm import AWQ_ORDER
+from quantize.formats.packing import unpack_int32
+from tests.conftest import KEPT_16BIT, heldout_ids, kl_divergence as _kl, build_tiny_model, tiny_recipe
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +151,7 @@ def test_other_architectures(kind, tmp_path):
 def test_symmetric_writes_zero_8(tmp_path, tiny_llama):
     out = runner.run(tiny_recipe(tmp_path, tiny_llama, name="tiny-sym", zero_point=False), out_root=tmp_path / "a")
     with safe_open(str(out / "model.safetensors"), "pt") as st:
-        z = awq_gemm.unpack_int4_cols(st.get_tensor("model.layers.0.mlp.up_proj.qzeros"))
+        z = unpack_int32(st.get_tensor("model.layers.0.mlp.up_proj.qzeros"), 4, AWQ_ORDER)
     assert (z == 8).all()
 
 
@@ -191,6 +192,39 @@ def test_on_indivisible_skip_keeps_layers_16bit(tmp_path):
     assert set(cfg["modules_to_not_convert"]) == {"lm_head", *skipped}
     state, _ = dequantized_state_dict(out)
     assert state["model.layers.0.self_attn.q_proj.weight"].shape == (192, 192)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "compressed-tensors"])
+def test_modules_to_not_convert_is_written_16bit_and_named(fmt, kept_16bit_artifacts, tiny_llama):
+    """A linear the recipe keeps out is written as its unchanged 16-bit weight and named where the format's
+    reader looks for it: AWQ's modules_to_not_convert, compressed-tensors' ignore (which lists lm_head and every
+    16-bit linear, or vLLM expects packed tensors for it). GPTQ has no such list: vLLM treats a linear with no
+    integer tensors in the checkpoint as unquantized (test_vllm_load checks that it loads)."""
+    out = kept_16bit_artifacts[fmt]
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    if fmt == "awq":
+        assert qcfg["modules_to_not_convert"] == ["lm_head", KEPT_16BIT]
+    if fmt == "compressed-tensors":
+        assert qcfg["ignore"] == ["lm_head", KEPT_16BIT]
+    with safe_open(str(out / "model.safetensors"), "pt") as st, \
+            safe_open(str(tiny_llama / "model.safetensors"), "pt") as src:
+        assert [k for k in st.keys() if k.startswith(f"{KEPT_16BIT}.")] == [f"{KEPT_16BIT}.weight"]
+        kept = st.get_tensor(f"{KEPT_16BIT}.weight")
+        assert kept.dtype == torch.float16 and torch.equal(kept, src.get_tensor(f"{KEPT_16BIT}.weight"))
+        assert "model.layers.1.mlp.down_proj.weight" not in st.keys()  # the same linear of layer 1 is converted
+
+
+def test_compressed_tensors_ignore_lists_indivisible_skips(tmp_path):
+    """Linears kept 16-bit for an indivisible shape are in `ignore` next to the recipe's own."""
+    d = build_tiny_model(tmp_path / "m192", "llama", hidden=192, intermediate=384, heads=3, kv_heads=1, layers=2)
+    out = runner.run(tiny_recipe(tmp_path, d, name="skip-ct", method="rtn", q_group_size=128, on_indivisible="skip",
+                                 format="compressed-tensors", modules_to_not_convert=["lm_head", KEPT_16BIT]),
+                     out_root=tmp_path / "a")
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["quantized_modules"] == 1  # layer 1's down_proj: in 384 = 3 x 128; the rest stay 16-bit
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert ignore[0] == "lm_head" and set(ignore[1:]) == set(m["skipped_linears"]) and len(ignore) == 14
+    assert KEPT_16BIT in ignore and "model.layers.1.mlp.down_proj" not in ignore
 
 
 def test_manifest_verifies_and_tampering_is_refused(llama_artifact, tmp_path):

@@ -11,8 +11,10 @@ from eval.agreement import hf_logprobs, prompt_logprob_delta
 from eval.artifact import load_dequantized
 from eval.vllm_run import run_vllm
 from quantize import runner
-from quantize.formats import awq_gemm
-from tests.conftest import tiny_recipe
+from quantize.formats.awq_gemm import AWQ_ORDER
+from quantize.formats.packing import pack_int32, unpack_int32
+from tests.conftest import KEPT_16BIT, tiny_recipe
+from tests.integration import vllm_load_only
 
 pytestmark = pytest.mark.vllm
 
@@ -47,11 +49,8 @@ def test_wrong_nibble_order_is_caught(tiny_llama, tmp_path):
     shutil.copytree(out, bad)
     tensors = load_file(str(bad / "model.safetensors"))
     for name in [k for k in tensors if k.endswith(".qweight")]:
-        codes = awq_gemm.unpack_int4_cols(tensors[name]).to(torch.int64)  # [in, out]
-        r, c = codes.shape
-        shifts = torch.arange(0, 32, 4, dtype=torch.int64)
-        plain = (codes.reshape(r, c // 8, 8) << shifts).sum(-1)  # nibble i <- column 8c + i (wrong)
-        tensors[name] = torch.where(plain >= 2**31, plain - 2**32, plain).to(torch.int32)
+        codes = unpack_int32(tensors[name], 4, AWQ_ORDER)  # [in, out]
+        tensors[name] = pack_int32(codes, 4)  # nibble i <- column 8c + i (wrong)
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     ids = _prompts()
     res = run_vllm(bad, ids, top_k=5, max_tokens=1)
@@ -59,3 +58,18 @@ def test_wrong_nibble_order_is_caught(tiny_llama, tmp_path):
     hf = hf_logprobs(load_dequantized(out, torch.float32), ids)
     d = prompt_logprob_delta(res["prompt_logprobs"], hf)
     assert d["mean_abs_delta"] > 0.05, d
+
+
+@pytest.mark.vllm_load_only
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "compressed-tensors"])
+def test_vllm_loads_a_linear_kept_16bit_as_16bit(fmt, kept_16bit_artifacts):
+    """vLLM starts on an artifact whose recipe keeps one linear 16-bit, runs that linear unquantized with the
+    file's weights, and every other linear quantized. Loading only: runs on a CPU without vLLM's 4-bit kernel."""
+    out = kept_16bit_artifacts[fmt]
+    linears = vllm_load_only.load(out)
+    kept = linears[KEPT_16BIT]
+    assert kept["method"] == "UnquantizedLinearMethod" and kept["params"] == {"weight": "float16"}, kept
+    weight = load_file(str(out / "model.safetensors"))[f"{KEPT_16BIT}.weight"]
+    assert kept["sum"] == pytest.approx(float(weight.double().sum()), rel=1e-6)
+    others = {n: v["method"] for n, v in linears.items() if n != KEPT_16BIT}
+    assert len(others) == 7 and "UnquantizedLinearMethod" not in others.values(), others  # qkv, o, gate_up, down

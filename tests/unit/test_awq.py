@@ -5,7 +5,7 @@ import torch.nn as nn
 from quantize import awq, gptq
 from quantize.primitives import dequantize, fake_quant, quantize
 
-SPEC = awq.QSpec(4, 32, True)
+SPEC = awq.QSpec(4, 32, symmetric=False)
 
 
 def _x(t=300, n=64, seed=0):
@@ -54,7 +54,7 @@ def test_apply_scales_into_an_offset_norm_preserves_function():
 def test_linear_losses_gram_and_direct_equal_token_mse():
     x = _x()
     fc = nn.Linear(64, 16, bias=False)
-    deltas = torch.stack([fake_quant(fc.weight.data * c, 4, 32, True) - fc.weight.data for c in (1.0, 0.5, 2.0)])
+    deltas = torch.stack([fake_quant(fc.weight.data * c, 4, 32, symmetric=False) - fc.weight.data for c in (1.0, 0.5, 2.0)])
     direct = [(x @ d.t()).pow(2).mean().item() for d in deltas]
     via_gram = awq._linear_losses(deltas, x, awq._gram(x, chunk=128))  # chunked: 300 = 128 + 128 + 44 rows
     via_x = awq._linear_losses(deltas, x, None)
@@ -140,7 +140,7 @@ def test_search_clip_gram_matches_token_loop():
                 m = org[o, n] * (1 - i / 10)
                 cur = wg.clone()
                 cur[o, n] = wg[o, n].clamp(-m, m)
-                q = fake_quant(cur.reshape(16, 64), 4, 32, True).reshape(16, 2, 32)
+                q = fake_quant(cur.reshape(16, 64), 4, 32, symmetric=False).reshape(16, 2, 32)
                 errs.append(((xg[:, n] @ q[o, n]) - (xg[:, n] @ wg[o, n])).pow(2).mean().item())
             m = org[o, n] * (1 - min(range(5), key=errs.__getitem__) / 10)
             assert torch.isclose(hi[o, n], torch.minimum(m, wg[o, n].max()), rtol=1e-5)
@@ -168,7 +168,7 @@ def _rtn_on(w, lo, hi, spec, scales=None):
 
 def test_per_side_clip_lowers_output_error_and_never_loses():
     x, w = _clip_problem()
-    spec = awq.QSpec(4, 64, True)
+    spec = awq.QSpec(4, 64, symmetric=False)
     gram = awq.group_gram(x, 64)
     sym = _rtn_on(w, *awq.search_clip(w, gram, spec, 20, 0.5), spec)
     per = _rtn_on(w, *awq.search_clip(w, gram, spec, 20, 0.5, per_side=True), spec)
@@ -177,14 +177,14 @@ def test_per_side_clip_lowers_output_error_and_never_loses():
     assert (eg(per) <= eg(sym) * (1 + 1e-5) + 1e-12).all()
     assert _out_err(x, w, per) < 0.9 * _out_err(x, w, sym)
     # a symmetric grid (no zero point) is set by max|w|: per_side is the same search there
-    sspec = awq.QSpec(4, 64, False)
+    sspec = awq.QSpec(4, 64, symmetric=True)
     a, b = awq.search_clip(w, gram, sspec, 20, 0.5), awq.search_clip(w, gram, sspec, 20, 0.5, per_side=True)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def test_refit_scales_lowers_group_error_and_never_loses():
     x, w = _clip_problem(1)
-    spec = awq.QSpec(4, 64, True)
+    spec = awq.QSpec(4, 64, symmetric=False)
     gram = awq.group_gram(x, 64)
     lo, hi = awq.search_clip(w, gram, spec, 20, 0.5)
     s0, z = awq.clip_grid(w, lo, hi, spec)
@@ -226,14 +226,14 @@ def test_single_linear_loss_in_half_precision_picks_the_fp32_ratio():
 def test_gptq_rounding_on_the_awq_grid_beats_rtn_on_it():
     """AWQ's clip grid with GPTQ's rounding: same scales and zeros (the format is unchanged), lower output error."""
     x, w = _clip_problem(2)
-    spec = awq.QSpec(4, 64, True)
+    spec = awq.QSpec(4, 64, symmetric=False)
     lo, hi = awq.search_clip(w, awq.group_gram(x, 64), spec, 20, 0.5, per_side=True)
     s, z = awq.clip_grid(w, lo, hi, spec)
     H = 2 * x.t() @ x / x.shape[0]
-    gspec = gptq.GptqSpec(4, 64, sym=False, act_order=True, scale_dtype=torch.float16)
+    gspec = gptq.GptqSpec(4, 64, symmetric=False, act_order=True, scale_dtype=torch.float16)
     r = gptq.gptq_quantize(w, H, gspec, grid=(s, z))
     assert torch.equal(r.scales, s.half().float()) and torch.equal(r.zeros, z)
     rtn = dequantize(quantize(w, s.half().float(), z, 4), s.half().float(), z)
     assert _out_err(x, w, dequantize(r.codes, r.scales, r.zeros)) < 0.8 * _out_err(x, w, rtn)
     with pytest.raises(ValueError, match="act_order"):
-        gptq.gptq_quantize(w, H, gptq.GptqSpec(4, 64, sym=False, act_order=False), grid=(s, z))
+        gptq.gptq_quantize(w, H, gptq.GptqSpec(4, 64, symmetric=False, act_order=False), grid=(s, z))

@@ -5,11 +5,11 @@ from quantize.formats import compressed_tensors as ct
 from quantize.formats import gptq
 
 
-def _rand(out_f=64, in_f=256, g=64, bits=4, seed=0, sym=True):
+def _rand(out_f=64, in_f=256, g=64, bits=4, seed=0, symmetric=True):
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (out_f, in_f), generator=gen, dtype=torch.uint8)
     n = in_f // g
-    zeros = (torch.full((out_f, n), 2 ** (bits - 1), dtype=torch.int32) if sym
+    zeros = (torch.full((out_f, n), 2 ** (bits - 1), dtype=torch.int32) if symmetric
              else torch.randint(0, 2**bits, (out_f, n), generator=gen, dtype=torch.int32))
     scales = torch.rand(out_f, n, generator=gen).half()
     return codes, scales, zeros
@@ -21,7 +21,7 @@ def test_gptq_golden_and_layout():
     codes[0, :] = torch.arange(1, 9, dtype=torch.uint8)
     p = gptq.pack(codes, torch.ones(8, 1).half(), torch.full((8, 1), 8, dtype=torch.int32), 4)
     assert p["qweight"].shape == (1, 8) and p["qweight"][0, 0].item() == 0x87654321 - 2**32
-    assert p["qzeros"].shape == (1, 1) and p["qzeros"].item() == 0x77777777  # v1: zero - 1, sym 8 -> 7
+    assert p["qzeros"].shape == (1, 1) and p["qzeros"].item() == 0x77777777  # v1: zero - 1, symmetric 8 -> 7
     assert p["g_idx"].tolist() == [0] * 8
 
 
@@ -43,14 +43,14 @@ def test_gptq_permuted_g_idx_refused():
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("sym", [True, False])
-def test_compressed_tensors_round_trip(bits, sym):
-    codes, scales, zeros = _rand(bits=bits, sym=sym)
-    p = ct.pack(codes, scales, zeros, bits, sym)
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_compressed_tensors_round_trip(bits, symmetric):
+    codes, scales, zeros = _rand(bits=bits, symmetric=symmetric)
+    p = ct.pack(codes, scales, zeros, bits, symmetric)
     assert p["weight_packed"].shape == (64, 256 * bits // 32) and p["weight_packed"].dtype == torch.int32
     assert p["weight_shape"].tolist() == [64, 256]
-    assert ("weight_zero_point" in p) == (not sym)
-    if not sym:
+    assert ("weight_zero_point" in p) == (not symmetric)
+    if not symmetric:
         assert p["weight_zero_point"].shape == (64 * bits // 32, 4)
     c, s, z = ct.unpack(p, bits)
     assert torch.equal(c, codes) and torch.equal(s, scales) and torch.equal(z, zeros)
@@ -69,3 +69,18 @@ def test_compressed_tensors_config():
     assert cfg["format"] == "pack-quantized" and cfg["quant_method"] == "compressed-tensors"
     assert (w["num_bits"], w["group_size"], w["symmetric"], w["strategy"], w["actorder"]) == (
         4, 128, False, "group", "static")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_compressed_tensors_bits_equal_the_packages_own(bits):
+    """Our packer writes what compressed_tensors' compressor writes, zero points along an `out` that 32/b does
+    not divide (padded) included."""
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    codes, scales, zeros = _rand(out_f=36, bits=bits, symmetric=False)
+    p = ct.pack(codes, scales, zeros, bits, False)
+    off = 2 ** (bits - 1)
+    signed = lambda t: (t.to(torch.int16) - off).to(torch.int8)  # noqa: E731 - the package takes signed int8
+    assert torch.equal(p["weight_packed"], helpers.pack_to_int32(signed(codes), bits))
+    assert torch.equal(p["weight_zero_point"], helpers.pack_to_int32(signed(zeros), bits, packed_dim=0))
+    c, s, z = ct.unpack(p, bits)
+    assert torch.equal(c, codes) and torch.equal(z, zeros)

@@ -67,20 +67,20 @@ def test_tf32_update_keeps_gptq_loss():
 
 
 @pytest.mark.parametrize("act_order", [False, True])
-@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("group", [32, -1])
-def test_gptq_beats_rtn_on_output_error(act_order, sym, group):
+def test_gptq_beats_rtn_on_output_error(act_order, symmetric, group):
     w, x, acc = _data()
-    spec = gptq.GptqSpec(4, group, sym, block_size=64, act_order=act_order)
+    spec = gptq.GptqSpec(4, group, symmetric, block_size=64, act_order=act_order)
     r = gptq.gptq_quantize(w, acc.H, spec)
     n_group = 1 if group == -1 else 128 // group
     assert r.codes.shape == w.shape and r.scales.shape == (32, n_group) and r.zeros.shape == (32, n_group)
     assert r.codes.max() <= 15
-    if sym:
+    if symmetric:
         assert (r.zeros == 8).all()
     w_q = dequantize(r.codes, r.scales, r.zeros)
     g = 128 if group == -1 else group
-    w_rtn = fake_quant(w, 4, g, not sym)
+    w_rtn = fake_quant(w, 4, g, symmetric=symmetric)
     err_gptq = (x @ (w_q - w).t()).pow(2).mean()
     err_rtn = (x @ (w_rtn - w).t()).pow(2).mean()
     assert err_gptq < 0.8 * err_rtn, (err_gptq, err_rtn)
@@ -159,7 +159,7 @@ def _reference_gptq(W, H, spec):
     return codes[:, torch.argsort(perm)], scales, zeros, loss
 
 
-# (act_order, sym, group, block_size, scale_dtype): groups inside, equal to, and wider than a block, per-channel
+# (act_order, symmetric, group, block_size, scale_dtype): groups inside, equal to, and wider than a block, per-channel
 SWEEP_CASES = [
     (False, True, 32, 64, torch.float32), (False, False, 32, 64, torch.bfloat16), (False, True, 64, 64, torch.float16),
     (False, False, 128, 64, torch.float16), (False, True, -1, 64, torch.float32), (False, False, -1, 64, torch.float16),
@@ -173,8 +173,8 @@ def _case_data(case, out_f=12, in_f=256, seed=0):
     H = acc.H.clone()
     H[7, :] = 0  # one dead input
     H[:, 7] = 0
-    act_order, sym, group, block, scale_dtype = case
-    return w, H, gptq.GptqSpec(4, group, sym, block, act_order=act_order, scale_dtype=scale_dtype)
+    act_order, symmetric, group, block, scale_dtype = case
+    return w, H, gptq.GptqSpec(4, group, symmetric, block, act_order=act_order, scale_dtype=scale_dtype)
 
 
 @pytest.mark.parametrize("case", SWEEP_CASES)

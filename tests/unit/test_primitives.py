@@ -4,33 +4,33 @@ import torch
 from quantize.primitives import dequantize, fake_quant, qparams, quantize, quantize_for_export
 
 
-@pytest.mark.parametrize("zero_point", [True, False])
+@pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_fake_quant_properties(zero_point, group):
+def test_fake_quant_properties(symmetric, group):
     torch.manual_seed(0)
     w = torch.randn(64, 256)
-    wq = fake_quant(w, 4, group, zero_point)
+    wq = fake_quant(w, 4, group, symmetric=symmetric)
     assert wq.shape == w.shape and wq.dtype == w.dtype
     # idempotent: quantizing a quantized weight changes (almost) nothing
-    assert torch.allclose(fake_quant(wq, 4, group, zero_point), wq, atol=1e-5)
+    assert torch.allclose(fake_quant(wq, 4, group, symmetric=symmetric), wq, atol=1e-5)
     # at most 16 distinct values per group
     for row in wq.reshape(-1, group)[:20]:
         assert row.unique().numel() <= 16
     # error bounded by half a step (plus clamping at the edges for symmetric)
-    scales, _ = qparams(w, 4, group, zero_point)
+    scales, _ = qparams(w, 4, group, symmetric=symmetric)
     step = scales.repeat_interleave(group, dim=1)
-    bound = 0.5 if zero_point else 1.0
+    bound = 1.0 if symmetric else 0.5
     assert ((w - wq).abs() <= bound * step + 1e-6).all()
 
 
 def test_codes_range_and_symmetric_zero():
     torch.manual_seed(1)
     w = torch.randn(16, 128) * 3
-    s, z = qparams(w, 4, 64, zero_point=False)
+    s, z = qparams(w, 4, 64, symmetric=True)
     assert (z == 8).all()
     codes = quantize(w, s, z, 4)
     assert codes.dtype == torch.uint8 and codes.min() >= 0 and codes.max() <= 15
-    s, z = qparams(w, 4, 64, zero_point=True)
+    s, z = qparams(w, 4, 64, symmetric=False)
     assert z.min() >= 0 and z.max() <= 15
 
 
@@ -43,13 +43,13 @@ def test_zero_point_exact_on_grid():
     codes[:, 0], codes[:, 64] = 0, 0
     codes[:, 1], codes[:, 65] = 15, 15
     w = dequantize(codes, scales, zeros)
-    assert torch.allclose(fake_quant(w, 4, 64, True), w, atol=1e-5)
+    assert torch.allclose(fake_quant(w, 4, 64, symmetric=False), w, atol=1e-5)
 
 
 def test_export_scales_rounded_before_codes():
     torch.manual_seed(3)
     w = torch.randn(32, 128)
-    codes, scales, zeros = quantize_for_export(w, 4, 64, True, torch.float16)
+    codes, scales, zeros = quantize_for_export(w, 4, 64, symmetric=False, scale_dtype=torch.float16)
     assert scales.dtype == torch.float16
     # decoding the stored tensors gives the weight the codes were chosen for, within half a step
     w_hat = dequantize(codes, scales, zeros)
