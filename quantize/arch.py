@@ -102,6 +102,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",  # the text model: transformers converts a gemma3 GGUF to Gemma3ForCausalLM
 }
 
 

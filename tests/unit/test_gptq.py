@@ -221,6 +221,7 @@ def test_kernel_choice_on_cpu(monkeypatch):
         device.gptq_sweep("triton", cpu)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setitem(__import__("sys").modules, "quantize.gptq_triton", None)  # as if triton were missing
+    monkeypatch.delattr(__import__("quantize"), "gptq_triton", raising=False)  # imported earlier on a CUDA host
     with pytest.raises(RuntimeError, match="triton does not import"):
         device.gptq_sweep("triton", cpu)
     with pytest.raises(ValueError, match="unknown"):
