@@ -35,12 +35,13 @@ def share_scale_search() -> dict:
     cache: dict = {}
     search = engine._search_group
 
-    def shared(data, g, quantized, chosen, opts, spec):
+    def shared(data, g, quantized, chosen, recipe, spec):
+        opts = recipe.awq
         key = (data.index, g.prev, tuple(quantized), tuple(chosen), opts.n_grid, opts.duo_scaling,
-               opts.coarse_step, opts.search_tokens, spec)
+               recipe.advanced.awq.coarse_step, opts.search_tokens, spec)
         if key not in cache:
             cache.clear() if cache and next(iter(cache))[0] != data.index else None
-            cache[key] = search(data, g, quantized, chosen, opts, spec)
+            cache[key] = search(data, g, quantized, chosen, recipe, spec)
         return cache[key]
 
     engine._search_group = shared

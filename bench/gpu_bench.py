@@ -13,7 +13,7 @@ On the GPU host (offline; wheels collected by bench/peers/collect_wheels.sh into
    ours-awq / ours-gptq   bench/bench_ours.py on bench/recipes/bench-{awq,gptq}-g128.yaml (eval off)
    ours-gptq-onepass      the same on bench-gptq-onepass-g128.yaml: true_sequential false, every Hessian of
                           a layer from one forward, as llm-compressor does
-   ours-gptq-tf32         the same on bench-gptq-tf32-g128.yaml: gptq.update tf32 (approximate cross-block update)
+   ours-gptq-tf32         the same on bench-gptq-tf32-g128.yaml: advanced.gptq.update tf32 (approximate cross-block update)
    ours-gptq-warm         ours-gptq again: after it, Triton's on-disk cache holds the compiled sweep (steady state)
    ours-awq-classic       AWQ with AutoAWQ's clip search and round-to-nearest (bench-awq-classic-g128.yaml: no
                           per-side clip, no scale refit): the shipped defaults' time against it

@@ -164,5 +164,6 @@ def gptq_sweep(kernel: str, device: torch.device) -> gptq.Sweep:
         else:
             return gptq.Sweep("triton", gptq_triton.sweep_triton)
     if kernel == "triton":
-        raise RuntimeError(f"gptq.kernel triton was asked for but cannot run: {why}; set gptq.kernel: torch or auto")
+        raise RuntimeError(f"advanced.gptq.kernel triton was asked for but cannot run: {why}; "
+                           f"set advanced.gptq.kernel: torch or auto")
     return gptq.TORCH_SWEEP

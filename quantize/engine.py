@@ -137,8 +137,9 @@ def _rows(x: torch.Tensor, sizes: list[int], chosen: list[int]) -> torch.Tensor:
     return torch.cat([x[offsets[i] : offsets[i + 1]] for i in chosen])  # [tokens', in]
 
 
-def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], opts, spec: awq.QSpec):
+def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], recipe, spec: awq.QSpec):
     """Scale search for one scale group of data.layer -> awq.ScaleSearch."""
+    opts, fast = recipe.awq, recipe.advanced.awq
     layer = data.layer
     linears = [layer.get_submodule(n) for n in g.linears]
     x = data.features[g.linears[0]]  # [tokens, in]
@@ -157,7 +158,7 @@ def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], 
             return [_first(block(xi)) for xi in xb]
     with torch.no_grad():
         return awq.search_scales(x, linears, quantized, run_inspect, spec, opts.n_grid, opts.duo_scaling,
-                                 coarse_step=opts.coarse_step, x_loss=x_loss, grid_batch=opts.grid_batch)
+                                 coarse_step=fast.coarse_step, x_loss=x_loss, grid_batch=fast.grid_batch)
 
 
 def _clip_layer(data: LayerData, arch: Arch, local: set[str], opts, spec: awq.QSpec,
@@ -210,7 +211,8 @@ def _awq_round(data: LayerData, arch: Arch, names: list[str], ranges: dict, gram
         cat_grids.append(tuple(torch.cat([grids[n][i] for n in group]) for i in (0, 1)))
     gspec = dataclasses.replace(gptq_spec(recipe, scale_dtype), act_order=True)  # static groups: the clip grid
     dev = problems[0][0].device
-    solved = gptq.gptq_quantize_many(problems, gspec, cat_grids, gptq_sweep(recipe.gptq.kernel, dev), side_stream(dev))
+    solved = gptq.gptq_quantize_many(problems, gspec, cat_grids, gptq_sweep(recipe.advanced.gptq.kernel, dev),
+                                     side_stream(dev))
     for group, r in zip(shared, solved):
         rows = [layer.get_submodule(n).weight.shape[0] for n in group]
         for n, codes, scales, zeros in zip(group, *(t.split(rows) for t in (r.codes, r.scales, r.zeros))):
@@ -238,7 +240,7 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
         if not any(quantized):
             continue
         t = _clock(device)
-        r = _search_group(data, g, quantized, chosen_batches, opts, spec)
+        r = _search_group(data, g, quantized, chosen_batches, recipe, spec)
         stats[g.prev] = {"best_ratio": r.ratio, "loss": r.losses[r.ratio], "loss_rtn": r.losses[0.0],
                          "n_evaluated": len(r.losses), "seconds": round(_clock(device) - t, 4)}
         chosen.append((g, r.scales))
@@ -261,9 +263,9 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
 
 
 def gptq_spec(recipe, scale_dtype: torch.dtype) -> gptq.GptqSpec:
-    o = recipe.gptq
+    o, fast = recipe.gptq, recipe.advanced.gptq
     return gptq.GptqSpec(recipe.w_bit, recipe.q_group_size, recipe.symmetric, o.block_size, o.damp_percent,
-                         o.act_order, scale_dtype, o.update)
+                         o.act_order, scale_dtype, fast.update)
 
 
 def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype: torch.dtype,
@@ -277,7 +279,7 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
     spec = gptq_spec(recipe, scale_dtype)
     stats: dict = {}
     device = data.inputs[0].device
-    sweep = gptq_sweep(opts.kernel, device)
+    sweep = gptq_sweep(recipe.advanced.gptq.kernel, device)
     seconds = {"hessian": 0.0, "sweep": 0.0}
     losses: dict[str, torch.Tensor] = {}  # read back once per layer, not once per linear (each read waits)
     for stage in stages:

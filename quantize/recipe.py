@@ -4,6 +4,16 @@ A recipe names the model, the method and its settings, the calibration text and 
 `base: <recipe>` inherits another recipe and overrides keys (nested mappings merge key by key), so a
 group-size family is a few small files. Unknown keys, bad values and combinations vLLM cannot serve are
 refused with a message that names the key, the value and what is allowed.
+
+Settings that say what the artifact is or how good it is (method, bits, group size, symmetry, calibration, the
+AWQ and GPTQ settings of the papers and of AutoAWQ, incl. awq.search_tokens, whose default already subsamples)
+are top-level keys and sections. Speed experiments are under `advanced:`: their defaults are the plain
+algorithm, and changing one trades quality for time or changes only time and memory, as docs/BENCHMARKS.md
+measured for each:
+  advanced.awq.coarse_step   coarse-to-fine over the ratio grid (k = 4 missed the grid minimum: +0.07 ppl)
+  advanced.awq.grid_batch    candidates per matmul in single-linear groups (memory; exact)
+  advanced.gptq.kernel       the column sweep's implementation: auto (Triton on CUDA) | torch | triton (same codes)
+  advanced.gptq.update       the sweep's cross-block update in float32 or in TF32 operands (an approximation)
 """
 
 from __future__ import annotations
@@ -46,8 +56,8 @@ class Calibration(_Strict):
 class AwqOptions(_Strict):
     """AWQ search settings (grid, clip and propagation defaults follow AutoAWQ 0.2.9).
 
-    The search-cost options (search_tokens, coarse_step, grid_batch) are justified in docs/BENCHMARKS.md;
-    `search_tokens: null` (with coarse_step 1) is AutoAWQ's exhaustive search over every calibration token.
+    search_tokens is justified in docs/BENCHMARKS.md; `search_tokens: null` (with advanced.awq.coarse_step 1,
+    its default) is AutoAWQ's exhaustive search over every calibration token.
     """
 
     n_grid: int = Field(20, gt=1)  # ratios α = i / n_grid, i = 0 .. n_grid - 1
@@ -59,10 +69,6 @@ class AwqOptions(_Strict):
     # grid loss measured on a seeded random subset of whole calibration batches holding at least this many
     # tokens (null = every token); mean|X| always uses every token
     search_tokens: int | None = Field(16384, gt=0)
-    # 1 = every grid point; k > 1 = every k-th, then refine by halving steps (k=4 missed the grid minimum of
-    # attention groups, whose loss is not unimodal in α: +0.07 ppl on SmolLM2, see docs/BENCHMARKS.md)
-    coarse_step: int = Field(1, gt=0)
-    grid_batch: int = Field(4, gt=0)  # candidates per matmul in single-linear groups (memory knob, exact)
     # clip candidates: "symmetric" = AutoAWQ's ±max|w| shrink; "per_side" adds shrinking max and min on their
     # own (zero-point grids; a symmetric grid depends on max|w| alone, so there both are the same search).
     # per_side + refit_iters 2: SmolLM2 g64 24.20 -> 23.92 ppl (16 windows) for ~2.3x the clip search's time,
@@ -77,13 +83,6 @@ class AwqOptions(_Strict):
     # and a GPTQ sweep per linear to every layer (timed by bench/gpu_bench.py --only ours-awq,ours-awq-gptq)
     rounding: Literal["rtn", "gptq"] = "rtn"
 
-    @model_validator(mode="after")
-    def _coarse_fits(self) -> "AwqOptions":
-        if self.coarse_step >= self.n_grid:
-            raise ValueError(f"awq.coarse_step {self.coarse_step} must be below awq.n_grid {self.n_grid} "
-                             f"(1 evaluates every grid point)")
-        return self
-
 
 class GptqOptions(_Strict):
     """GPTQ settings (defaults follow the GPTQ paper / AutoGPTQ)."""
@@ -92,10 +91,31 @@ class GptqOptions(_Strict):
     act_order: bool = True  # static: columns by descending diag(H), groups kept contiguous
     true_sequential: bool = True  # q/k/v, then o, then gate/up, then down, each on quantized predecessors
     block_size: int = Field(128, gt=0)  # lazy-batch width of the column sweep
+
+
+class AdvancedAwq(_Strict):
+    """AWQ search-speed experiments."""
+
+    # 1 = every grid point; k > 1 = every k-th, then refine by halving steps (k=4 missed the grid minimum of
+    # attention groups, whose loss is not unimodal in α: +0.07 ppl on SmolLM2, see docs/BENCHMARKS.md)
+    coarse_step: int = Field(1, gt=0)
+    grid_batch: int = Field(4, gt=0)  # candidates per matmul in single-linear groups (memory knob, exact)
+
+
+class AdvancedGptq(_Strict):
+    """GPTQ sweep-speed experiments."""
+
     kernel: Literal["auto", "torch", "triton"] = "auto"  # column sweep; auto = triton on CUDA when it imports
     # the sweep's cross-block update: float32, or tf32 operands (10-bit mantissa; tensor cores on CUDA, emulated
     # elsewhere). An approximation: its quality and speed are measured in docs/BENCHMARKS.md
     update: Literal["float32", "tf32"] = "float32"
+
+
+class Advanced(_Strict):
+    """Speed experiments, not quality settings: the defaults are the plain algorithm (module docstring)."""
+
+    awq: AdvancedAwq = AdvancedAwq()
+    gptq: AdvancedGptq = AdvancedGptq()
 
 
 class PerplexityOptions(_Strict):
@@ -208,6 +228,7 @@ class Recipe(_Strict):
     # passed since the last save; 0 = after every layer; null = never
     checkpoint_every_s: float | None = Field(120.0, ge=0)
     trust_remote_code: bool = False
+    advanced: Advanced = Advanced()
 
     @field_validator("q_group_size")
     @classmethod
@@ -243,6 +264,9 @@ class Recipe(_Strict):
         problem = formats.get(self.out_format).problem(self)
         if problem:
             raise ValueError(problem)
+        if self.advanced.awq.coarse_step >= self.awq.n_grid:
+            raise ValueError(f"advanced.awq.coarse_step {self.advanced.awq.coarse_step} must be below awq.n_grid "
+                             f"{self.awq.n_grid} (1 evaluates every grid point)")
         if self.method == "gptq" or (self.method == "awq" and self.awq.rounding == "gptq"):
             b, g = self.gptq.block_size, self.q_group_size
             if g != -1 and b % g and g % b:

@@ -217,7 +217,7 @@ def test_kernel_choice_on_cpu(monkeypatch):
     assert gptq.gptq_quantize(w, H, spec).kernel == "torch"  # the reference sweep by default
     assert device.gptq_sweep("auto", cpu) is gptq.TORCH_SWEEP
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(RuntimeError, match="needs CUDA.*gptq.kernel: torch"):
+    with pytest.raises(RuntimeError, match="needs CUDA.*advanced.gptq.kernel: torch"):
         device.gptq_sweep("triton", cpu)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setitem(__import__("sys").modules, "quantize.gptq_triton", None)  # as if triton were missing

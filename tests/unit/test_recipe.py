@@ -143,31 +143,42 @@ def test_preflight_on_real_shapes():
     assert p72.tp_sizes == [1]  # down_proj 29568 = 128 x 231: any split leaves a partial group of 128
 
 
-def test_gptq_kernel_option(tmp_path):
+def test_gptq_kernel_is_an_advanced_option(tmp_path):
     ok = write_recipe(tmp_path / "k.yaml", **{**BASE, "name": "k", "method": "gptq", "zero_point": False,
-                                              "gptq": {"kernel": "torch"}})
-    assert load_recipe(ok).gptq.kernel == "torch"
-    assert load_recipe(write_recipe(tmp_path / "r.yaml", **{**BASE, "method": "gptq", "zero_point": False})).gptq.kernel \
-        == "auto"
-    msg = _err(tmp_path, method="gptq", zero_point=False, gptq={"kernel": "cuda"})
-    assert "gptq.kernel" in msg and "'triton'" in msg
+                                              "advanced": {"gptq": {"kernel": "torch"}}})
+    assert load_recipe(ok).advanced.gptq.kernel == "torch"
+    plain = load_recipe(write_recipe(tmp_path / "r.yaml", **{**BASE, "method": "gptq", "zero_point": False}))
+    assert (plain.advanced.gptq.kernel, plain.advanced.gptq.update) == ("auto", "float32")
+    msg = _err(tmp_path, method="gptq", zero_point=False, advanced={"gptq": {"kernel": "cuda"}})
+    assert "advanced.gptq.kernel" in msg and "'triton'" in msg
+
+
+def test_speed_experiments_are_only_under_advanced(tmp_path):
+    """The moved keys are refused in their sections, naming what is allowed there; under advanced they load."""
+    msg = _err(tmp_path, method="gptq", zero_point=False, gptq={"update": "tf32"})
+    assert "`gptq.update`: unknown key" in msg and "block_size" in msg
+    assert "`awq.grid_batch`: unknown key" in _err(tmp_path, awq={"grid_batch": 2})
+    r = load_recipe(write_recipe(tmp_path / "a.yaml", **{**BASE, "name": "a", "advanced": {
+        "awq": {"grid_batch": 2, "coarse_step": 4}, "gptq": {"update": "tf32"}}}))
+    assert (r.advanced.awq.grid_batch, r.advanced.awq.coarse_step, r.advanced.gptq.update) == (2, 4, "tf32")
+    assert "`advanced.kernel`: unknown key; allowed keys here: awq, gptq" in _err(tmp_path, advanced={"kernel": "torch"})
 
 
 def test_awq_search_options_defaults_round_trip():
     """The cheaper-search defaults survive to_dict -> Recipe, and the exhaustive search is expressible."""
     r = Recipe(name="x", **BASE)
-    assert (r.awq.search_tokens, r.awq.coarse_step, r.awq.grid_batch) == (16384, 1, 4)
+    assert (r.awq.search_tokens, r.advanced.awq.coarse_step, r.advanced.awq.grid_batch) == (16384, 1, 4)
     assert (r.awq.clip_search, r.awq.refit_iters, r.awq.rounding) == ("per_side", 2, "rtn")
     assert Recipe(**r.to_dict()) == r
-    exhaustive = Recipe(name="x", **BASE, awq=dict(search_tokens=None, coarse_step=4))
+    exhaustive = Recipe(name="x", **BASE, awq=dict(search_tokens=None), advanced=dict(awq=dict(coarse_step=4)))
     again = Recipe(**exhaustive.to_dict())
-    assert again.awq.search_tokens is None and again.awq.coarse_step == 4
+    assert again.awq.search_tokens is None and again.advanced.awq.coarse_step == 4
 
 
 def test_awq_coarse_step_must_be_below_n_grid(tmp_path):
     p = tmp_path / "bad.yaml"
-    p.write_text("name: bad\nmodel: some/model\nmethod: awq\nawq: {n_grid: 8, coarse_step: 8}\n")
-    with pytest.raises(RecipeError, match=r"`awq`.*coarse_step 8 must be below awq.n_grid 8"):
+    p.write_text("name: bad\nmodel: some/model\nmethod: awq\nawq: {n_grid: 8}\nadvanced: {awq: {coarse_step: 8}}\n")
+    with pytest.raises(RecipeError, match=r"advanced.awq.coarse_step 8 must be below awq.n_grid 8"):
         load_recipe(p)
 
 
