@@ -44,6 +44,8 @@ class Format:
     quant_method: str  # config.json quantization_config.quant_method
     title: str  # how the model card names it
     bits: tuple[int, ...]  # w_bit values vLLM serves in this format
+    group_sizes: tuple[int, ...]  # q_group_size values it serves (-1 = per output channel)
+    symmetric_only: bool  # vLLM refuses its checkpoints with zero points
     default_for: tuple[str, ...]  # methods whose `format: auto` writes this format
     packed_tensor: str  # the int32 code tensor whose presence marks a converted linear
     tensors: tuple[str, ...]  # every tensor suffix a converted linear may have
@@ -56,7 +58,15 @@ class Format:
         """Why vLLM cannot serve `recipe`'s weights in this format, saying what to change; None when it can."""
         if recipe.w_bit not in self.bits:
             return f"w_bit {recipe.w_bit} is not allowed with format {self.name}: vLLM serves {list(self.bits)}"
-        return None
+        return self._group_problem(recipe)
+
+    def _group_problem(self, recipe) -> str | None:
+        g = recipe.q_group_size
+        if g in self.group_sizes:
+            return None
+        *most, last = self.group_sizes
+        return (f"q_group_size {g}{' (per channel)' if g == -1 else ''} is not served in format {self.name}; use "
+                f"{', '.join(map(str, most))} or {last}")
 
     def pack(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
              symmetric: bool) -> dict[str, torch.Tensor]:
@@ -94,9 +104,7 @@ class AwqGemm(Format):
             return f"version {recipe.version!r} is refused: {refused[recipe.version]}; use version: gemm"
         if recipe.version not in self.versions:
             return f"version {recipe.version!r} is unknown; use one of {list(self.versions)}"
-        if recipe.q_group_size == -1:
-            return "q_group_size -1 (per channel) is not served in format awq; use 32, 64 or 128"
-        return None
+        return self._group_problem(recipe)
 
     def pack(self, codes, scales, zeros, bits, symmetric):
         return awq_gemm.pack(codes, scales, zeros)
@@ -131,7 +139,7 @@ class Gptq(Format):
     def problem(self, recipe) -> str | None:
         if (bad := super().problem(recipe)) is not None:
             return bad
-        if not recipe.symmetric:
+        if self.symmetric_only and not recipe.symmetric:
             return ("zero_point true (asymmetric) is not allowed with format gptq: vLLM 0.32 accepts only sym: true "
                     "GPTQ checkpoints; set zero_point: false, or format: compressed-tensors for asymmetric weights")
         return None
@@ -186,8 +194,9 @@ class CompressedTensors(Format):
 
 
 AWQ = AwqGemm(
-    name="awq", quant_method="awq", title="AutoAWQ GEMM (quant_method awq)", bits=(4,), default_for=("awq", "rtn"),
-    packed_tensor="qweight", tensors=("qweight", "qzeros", "scales"), served_as=("awq_marlin", "awq"),
+    name="awq", quant_method="awq", title="AutoAWQ GEMM (quant_method awq)", bits=(4,),
+    group_sizes=(32, 64, 128), symmetric_only=False, default_for=("awq", "rtn"), packed_tensor="qweight",
+    tensors=("qweight", "qzeros", "scales"), served_as=("awq_marlin", "awq"),
     reported_as=frozenset({"awq", "awq_marlin", "auto_awq"}), pack_along_out=8,
     refused_versions=(
         ("gemv", "vLLM cannot load AutoAWQ GEMV layouts"),
@@ -197,13 +206,15 @@ AWQ = AwqGemm(
     ),
 )
 GPTQ = Gptq(
-    name="gptq", quant_method="gptq", title="GPTQ v1 (quant_method gptq)", bits=(4, 8), default_for=("gptq",),
-    packed_tensor="qweight", tensors=("qweight", "qzeros", "scales", "g_idx"), served_as=("gptq_marlin", "gptq"),
+    name="gptq", quant_method="gptq", title="GPTQ v1 (quant_method gptq)", bits=(4, 8),
+    group_sizes=(-1, 32, 64, 128), symmetric_only=True, default_for=("gptq",), packed_tensor="qweight",
+    tensors=("qweight", "qzeros", "scales", "g_idx"), served_as=("gptq_marlin", "gptq"),
     reported_as=frozenset({"gptq", "gptq_marlin", "auto_gptq"}), index_bytes_per_input=4,
 )
 COMPRESSED_TENSORS = CompressedTensors(
     name="compressed-tensors", quant_method="compressed-tensors", title="compressed-tensors pack-quantized",
-    bits=(4, 8), default_for=(), packed_tensor="weight_packed",
+    bits=(4, 8), group_sizes=(-1, 32, 64, 128), symmetric_only=False, default_for=(),
+    packed_tensor="weight_packed",
     tensors=("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
     served_as=("compressed-tensors", "compressed-tensors"),
     reported_as=frozenset({"compressed-tensors", "compressed_tensors"}),

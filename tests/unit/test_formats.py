@@ -16,7 +16,7 @@ def test_registry_lookups():
     assert [formats.default_for(m).name for m in ("awq", "rtn", "gptq")] == ["awq", "awq", "gptq"]
     assert formats.by_quant_method("compressed-tensors") is formats.COMPRESSED_TENSORS
     assert formats.by_quant_method("fp8") is None and formats.by_quant_method(None) is None
-    with pytest.raises(ValueError, match=r"format 'gguf' is unknown; use one of \['awq', 'gptq', 'compressed-tensors'\]"):
+    with pytest.raises(ValueError, match=r"'gguf' is unknown; use one of \['awq', 'gptq', 'compressed-tensors'\]"):
         formats.get("gguf")
 
 
@@ -53,6 +53,13 @@ def test_symmetry_is_written_under_each_formats_own_key():
     assert formats.AWQ.quantization_config(sym, [])["zero_point"] is False
     ct = formats.COMPRESSED_TENSORS.quantization_config(sym, [])
     assert ct["config_groups"]["group_0"]["weights"]["symmetric"] is True
+
+
+def test_what_each_format_serves_is_its_data():
+    assert (formats.AWQ.bits, formats.AWQ.group_sizes, formats.AWQ.symmetric_only) == ((4,), (32, 64, 128), False)
+    assert (formats.GPTQ.bits, formats.GPTQ.symmetric_only) == ((4, 8), True)
+    assert formats.AWQ.problem(Recipe(**{**BASE, "method": "rtn", "format": "compressed-tensors", "q_group_size": -1})) \
+        == "q_group_size -1 (per channel) is not served in format awq; use 32, 64 or 128"
 
 
 def test_readers_refuse_what_vllm_refuses():
