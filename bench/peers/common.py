@@ -5,6 +5,11 @@ command-line flags, our pipeline's exact calibration token blocks (as the pre-to
 from __future__ import annotations
 
 import argparse
+import json
+import resource
+import time
+from importlib.metadata import version
+from pathlib import Path
 
 import torch
 from datasets import Dataset
@@ -63,3 +68,25 @@ def oneshot_and_save(model, tok, ds, recipe, args, out) -> float:
     model.save_pretrained(out, save_compressed=True)
     tok.save_pretrained(out)
     return seconds
+
+
+def llmc_record(peer: str, args, out: Path, text, samples: torch.Tensor, t0: float, oneshot_s: float,
+                **modifiers) -> dict:
+    """The run record llm-compressor's peer scripts write to OUT/peer_run.json: versions, model, calibration,
+    the modifiers' settings (keyword -> modifier, or -> a list of them), the saved quantization_config, timings
+    (oneshot, and the whole process since t0) and peak RSS."""
+    def dump(m):
+        return m.model_dump(mode="json", exclude_none=True, exclude=LIFECYCLE_FLAGS)
+
+    return {
+        "peer": peer,
+        "versions": {p: version(p) for p in ("llmcompressor", "transformers", "torch", "compressed-tensors")},
+        "model": str(Path(args.model).resolve()),
+        "calibration": calibration_record(args, text, samples),
+        **{k: [{type(x).__name__: dump(x)} for x in v] if isinstance(v, list) else dump(v)
+           for k, v in modifiers.items()},
+        "quantization_config": json.loads((out / "config.json").read_text())["quantization_config"],
+        "compute_dtype": args.compute_dtype, "save_dtype": args.save_dtype,
+        "oneshot_s": round(oneshot_s, 2), "total_s": round(time.perf_counter() - t0, 2),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }

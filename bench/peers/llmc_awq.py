@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
-from importlib.metadata import version
 from pathlib import Path
 
 T0 = time.perf_counter()
@@ -29,7 +27,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from llmcompressor.modifiers.quantization import QuantizationModifier  # noqa: E402
 from llmcompressor.modifiers.transform.awq import AWQModifier  # noqa: E402
-from bench.peers.common import DTYPES, LIFECYCLE_FLAGS, calibration, calibration_record, oneshot_and_save, parser  # noqa: E402
+from bench.peers.common import DTYPES, calibration, llmc_record, oneshot_and_save, parser  # noqa: E402
 from bench.peers.llmc_bench import skip_pinning_without_accelerator  # noqa: E402
 
 def main() -> None:
@@ -50,18 +48,8 @@ def main() -> None:
     )]
     patched = skip_pinning_without_accelerator()
     oneshot_s = oneshot_and_save(model, tok, ds, recipe, args, out)
-    record = {
-        "peer": "llmcompressor.AWQModifier",
-        "versions": {p: version(p) for p in ("llmcompressor", "transformers", "torch", "compressed-tensors")},
-        "model": str(Path(args.model).resolve()),
-        "calibration": calibration_record(args, text, samples),
-        "modifiers": [{type(m).__name__: m.model_dump(mode="json", exclude_none=True, exclude=LIFECYCLE_FLAGS)}
-                      for m in recipe],
-        "quantization_config": json.loads((out / "config.json").read_text())["quantization_config"],
-        "compute_dtype": args.compute_dtype, "save_dtype": args.save_dtype, "cpu_pinning_skipped": patched,
-        "oneshot_s": round(oneshot_s, 2), "total_s": round(time.perf_counter() - T0, 2),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-    }
+    record = llmc_record("llmcompressor.AWQModifier", args, out, text, samples, T0, oneshot_s, modifiers=recipe)
+    record["cpu_pinning_skipped"] = patched
     (out / "peer_run.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(json.dumps(record, default=str))
 

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
-from importlib.metadata import version
 from pathlib import Path
 
 T0 = time.perf_counter()
@@ -33,7 +31,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from llmcompressor.modifiers.gptq import GPTQModifier  # noqa: E402
-from bench.peers.common import DTYPES, LIFECYCLE_FLAGS, calibration, calibration_record, oneshot_and_save, parser  # noqa: E402
+from bench.peers.common import DTYPES, calibration, llmc_record, oneshot_and_save, parser  # noqa: E402
 
 def main() -> None:
     ap = parser(__doc__.split("\n\n")[0])
@@ -62,19 +60,8 @@ def main() -> None:
 
     oneshot_s = oneshot_and_save(model, tok, ds, modifier, args, out)
 
-    record = {
-        "peer": "llmcompressor.GPTQModifier",
-        "versions": {p: version(p) for p in ("llmcompressor", "transformers", "torch", "compressed-tensors")},
-        "model": str(Path(args.model).resolve()),
-        "calibration": calibration_record(args, text, samples),
-        "modifier": modifier.model_dump(mode="json", exclude_none=True, exclude=LIFECYCLE_FLAGS),
-        "quantization_config": json.loads((out / "config.json").read_text())["quantization_config"],
-        "compute_dtype": args.compute_dtype, "save_dtype": args.save_dtype,
-        "torch_threads": torch.get_num_threads(),
-        "oneshot_s": round(oneshot_s, 2),
-        "total_s": round(time.perf_counter() - T0, 2),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-    }
+    record = llmc_record("llmcompressor.GPTQModifier", args, out, text, samples, T0, oneshot_s, modifier=modifier)
+    record["torch_threads"] = torch.get_num_threads()
     (out / "peer_run.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
 
