@@ -292,3 +292,17 @@ def test_vllm_serves_the_awq_artifact_as_we_decode_it(name, checkpoints, tmp_pat
     print(name, dtype, d, "load_s", res["load_s"], res["kernels"])
     assert d["n"] >= 3 * 23 * 5
     assert d["mean_abs_delta"] < DELTA[dtype], d
+
+
+@pytest.mark.vllm
+@pytest.mark.vllm_load_only
+def test_vllm_refuses_gemma_in_float16(checkpoints, tmp_path):
+    """Why the pre-flight refuses a float16 Gemma recipe: vLLM will not start a Gemma model in float16. Pinned
+    here, so the refusal is dropped once vLLM lifts it. Starting only: runs without vLLM's 4-bit kernel."""
+    from eval.vllm_run import VllmError
+    from tests.integration import vllm_load_only
+
+    out = runner.run(tiny_recipe(tmp_path, checkpoints["gemma2"], name="g2-bf16", dtype="bfloat16"),
+                     out_root=tmp_path / "a")
+    with pytest.raises(VllmError, match="model type 'gemma2' does not support float16"):
+        vllm_load_only.load(out)  # asks for float16
