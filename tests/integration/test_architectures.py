@@ -275,21 +275,25 @@ def _prompts(n: int = 3, length: int = 24) -> list[list[int]]:
 DELTA = {"float16": 0.01, "bfloat16": 0.05}
 
 
+# every architecture's AWQ artifact; Phi-3's fused linears in the other two formats too (each case starts a vLLM)
+VLLM_CASES = [(n, *ROUTES[0]) for n in MODELS] + [("phi3", *ROUTES[2]), ("phi3", *ROUTES[3])]
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("name", list(MODELS))
-def test_vllm_serves_the_awq_artifact_as_we_decode_it(name, checkpoints, tmp_path):
-    """vLLM (CPU build) loads each architecture's AWQ artifact in the dtype the recipe names (bfloat16 for Gemma)
+@pytest.mark.parametrize("name,method,fmt,keys", VLLM_CASES, ids=[f"{c[0]}-{c[2]}" for c in VLLM_CASES])
+def test_vllm_serves_the_artifact_as_we_decode_it(name, method, fmt, keys, checkpoints, tmp_path):
+    """vLLM (CPU build) loads each architecture's artifact in the dtype the recipe names (bfloat16 for Gemma)
     and its prompt logprobs match transformers running the weights our own code decodes."""
     from eval.agreement import hf_logprobs, prompt_logprob_delta
     from eval.vllm_run import run_vllm
 
     dtype = MODELS[name][4]
-    out = runner.run(tiny_recipe(tmp_path, checkpoints[name], name=f"{name}-vllm", dtype=dtype),
-                     out_root=tmp_path / "a")
+    out = runner.run(tiny_recipe(tmp_path, checkpoints[name], name=f"{name}-{fmt}-vllm", method=method, format=fmt,
+                                 dtype=dtype, **keys), out_root=tmp_path / "a")
     ids = _prompts()
     res = run_vllm(out, ids, top_k=5, max_tokens=4, dtype=dtype)
     d = prompt_logprob_delta(res["prompt_logprobs"], hf_logprobs(load_dequantized(out, torch.float32), ids))
-    print(name, dtype, d, "load_s", res["load_s"], res["kernels"])
+    print(name, fmt, dtype, d, "load_s", res["load_s"], res["kernels"])
     assert d["n"] >= 3 * 23 * 5
     assert d["mean_abs_delta"] < DELTA[dtype], d
 
