@@ -78,3 +78,22 @@ def test_gemma_entries_fold_into_one_plus_w_and_serve_in_bfloat16():
 def test_gguf_names_of_the_dense_entries():
     assert check_gguf_architecture("gemma2", "x") == "Gemma2ForCausalLM"
     assert check_gguf_architecture("phi3", "x") == "Phi3ForCausalLM"
+
+
+def test_unquantized_linears_stay_16bit_in_the_plan():
+    """A linear the table marks unquantized is never converted and the plan says why."""
+    from dataclasses import replace
+
+    import transformers
+
+    from quantize.engine import is_skipped
+    from quantize.preflight import plan
+    from quantize.recipe import load_recipe
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    cfg.architectures = ["LlamaForCausalLM"]
+    arch = replace(arch_for(cfg), unquantized=("mlp.down_proj",))
+    p = plan(cfg, arch, load_recipe("smollm2-awq-g64"), is_skipped)
+    assert "model.layers.0.mlp.down_proj" not in p.convert and len(p.convert) == 6
+    assert "quantize/arch.py: unquantized" in p.skipped["model.layers.0.mlp.down_proj"]
