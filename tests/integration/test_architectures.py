@@ -91,9 +91,9 @@ def _source(d: Path):
                                                 attn_implementation=attn_implementation(config)).eval()
 
 
-# (method, format, recipe keys): every 4-bit format vLLM serves each method's weights in
+# (method, format, recipe keys): each method into every 4-bit format vLLM serves (GPTQ's format: symmetric only)
 ROUTES = [("awq", "awq", {}), ("awq", "compressed-tensors", {}), ("gptq", "gptq", {"zero_point": False}),
-          ("gptq", "compressed-tensors", {})]
+          ("gptq", "compressed-tensors", {}), ("awq", "gptq", {"zero_point": False}), ("gptq", "awq", {})]
 
 
 @pytest.mark.parametrize("method,fmt,keys", ROUTES, ids=[f"{m}-{f}" for m, f, _ in ROUTES])
