@@ -142,6 +142,14 @@ class Dist:
             dist.broadcast(buf, src=src)
         return buf.view(meta.dtype).reshape(meta.shape) if self.rank != src else t
 
+    def spread(self, fn: Callable[[list], list], items: list, chunk: int = 1) -> list:
+        """fn(items) computed in shares: the items cut into chunks of `chunk`, each rank calling fn on a contiguous
+        run of whole chunks -> every result, in order, on every rank. fn must map each item on its own (the
+        same result whatever else is in its call), as AWQ's per-candidate losses do."""
+        share = self.span(-(-len(items) // chunk))
+        mine = self.attempt(lambda: fn(items[share.start * chunk : share.stop * chunk]) if len(share) else [])
+        return [x for part in self.gather(mine) for x in part]
+
     def gather(self, local: Any) -> list[Any]:
         """Every rank's value (this one's `local`, possibly Failed) -> the list of all ranks' values, in rank order."""
         return [self.share(r, local if r == self.rank else None) for r in range(self.world)]

@@ -147,8 +147,10 @@ def _rows(x: torch.Tensor, sizes: list[int], chosen: list[int]) -> torch.Tensor:
     return torch.cat([x[offsets[i] : offsets[i + 1]] for i in chosen])  # [tokens', in]
 
 
-def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], recipe, spec: awq.QSpec):
-    """Scale search for one scale group of data.layer -> awq.ScaleSearch."""
+def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], recipe, spec: awq.QSpec,
+                  dist: Dist | None = None):
+    """Scale search for one scale group of data.layer -> awq.ScaleSearch. dist: the candidate ratios of each round
+    are shared out over the ranks (`Dist.spread`), each loss computed whole on one rank."""
     opts, fast = recipe.awq, recipe.advanced.awq
     layer = data.layer
     linears = [layer.get_submodule(n) for n in g.linears]
@@ -168,7 +170,8 @@ def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], 
             return [_first(block(xi)) for xi in xb]
     with torch.no_grad():
         return awq.search_scales(x, linears, quantized, run_inspect, spec, opts.n_grid, opts.duo_scaling,
-                                 coarse_step=fast.coarse_step, x_loss=x_loss, grid_batch=fast.grid_batch)
+                                 coarse_step=fast.coarse_step, x_loss=x_loss, grid_batch=fast.grid_batch,
+                                 spread=None if dist is None else dist.spread)
 
 
 def _clip_layer(data: LayerData, arch: Arch, local: set[str], opts, spec: awq.QSpec,
@@ -289,8 +292,9 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
 
     Stats: per scale group (keyed by its `prev`) the chosen ratio, its loss, the RTN loss (α = 0), how many
     ratios were evaluated and the seconds taken; under "seconds" the time of each sub-stage (also into runlog).
-    dist: every rank holds every token's features; each scale group, clip and rounding unit is computed by one
-    owner and broadcast, so the results are those of one process, bit for bit.
+    dist: every rank holds every token's features; each scale search's candidates are shared out over the ranks
+    and each clip and rounding unit is computed by one owner and broadcast, so the results are those of one
+    process, bit for bit.
     """
     layer, opts, spec = data.layer, recipe.awq, _spec(recipe)
     device = data.inputs[0].device
@@ -305,13 +309,9 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
 
     def search(g, quantized: list[bool]) -> tuple[torch.Tensor, float, dict, float]:
         t = _clock(device)
-        r = _search_group(data, g, quantized, chosen_batches, recipe, spec)
+        r = _search_group(data, g, quantized, chosen_batches, recipe, spec, dist)
         return r.scales, r.ratio, r.losses, round(_clock(device) - t, 4)
-    if dist is None:
-        found = [search(g, q) for g, q in groups]
-    else:
-        found = _owned(dist, [(_cost(layer, list(g.linears)), lambda g=g, q=q: search(g, q)) for g, q in groups])
-    for (g, _), (scales, ratio, losses, seconds) in zip(groups, found):
+    for (g, _), (scales, ratio, losses, seconds) in zip(groups, [search(g, q) for g, q in groups]):
         stats[g.prev] = {"best_ratio": ratio, "loss": losses[ratio], "loss_rtn": losses[0.0],
                          "n_evaluated": len(losses), "seconds": seconds}
         chosen.append((g, scales))

@@ -66,10 +66,18 @@ def _differing_share(a: Path, b: Path) -> dict[str, float]:
     return {k: (ta[k] != tb[k]).float().mean().item() for k in ta if not torch.equal(ta[k], tb[k])}
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_two_ranks_write_the_one_rank_artifact(small_llama, tmp_path, method):
-    over = dict(method="gptq", zero_point=False) if method == "gptq" else {}
-    recipe = tiny_recipe(tmp_path, small_llama, name=f"dist-{method}", eval=dict(enabled=False), **over)
+VARIANTS = {
+    "awq": {},
+    # GPTQ's rounding on AWQ's grids (one owner per shared input), a coarse-to-fine search (rounds of candidates)
+    "awq-gptq-rounding": dict(awq=dict(n_grid=10, clip_grid=10, rounding="gptq"), advanced=dict(awq=dict(coarse_step=2))),
+    "gptq": dict(method="gptq", zero_point=False),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_two_ranks_write_the_one_rank_artifact(small_llama, tmp_path, variant):
+    method = "gptq" if variant == "gptq" else "awq"
+    recipe = tiny_recipe(tmp_path, small_llama, name=f"dist-{variant}", eval=dict(enabled=False), **VARIANTS[variant])
     one = _one_rank(recipe, tmp_path / "one")
     p = subprocess.run(_torchrun("--nproc-per-node", "2", "-m", "pipeline", "run", str(recipe),
                                  "--out", str(tmp_path / "two")), env=_env(), capture_output=True, text=True,
