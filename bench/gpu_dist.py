@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         site = args.work / "site"
         report["wheels"] = install_wheels(args.wheels, site)
     env = child_env(site)
+    if args.device == "cpu":  # torchrun gives each rank one thread; one rank gets one too, or it would use them all
+        env["OMP_NUM_THREADS"] = "1"
 
     def save() -> None:
         report["summary"] = summary(report)

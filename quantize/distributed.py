@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .preflight import PreflightError
+
 log = logging.getLogger(__name__)
 
 TIMEOUT_ENV = "QUANTIZE_DIST_TIMEOUT_S"
@@ -270,8 +272,8 @@ def init_from_env() -> Dist | None:
     cuda = torch.cuda.is_available()
     if cuda:
         if local >= torch.cuda.device_count():
-            raise RuntimeError(f"rank {rank}: LOCAL_RANK {local} but only {torch.cuda.device_count()} CUDA devices "
-                               f"are visible; start at most that many processes per node (--nproc-per-node)")
+            raise PreflightError(f"rank {rank}: LOCAL_RANK {local} but only {torch.cuda.device_count()} CUDA devices "
+                                 f"are visible; start at most that many processes per node (--nproc-per-node, GPUS=)")
         torch.cuda.set_device(local)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))

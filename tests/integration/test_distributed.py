@@ -3,11 +3,13 @@
 Each test launches real torchrun processes on a tiny Llama: two ranks on one node, two single-rank "nodes"
 meeting at a rendezvous on localhost, and a failure on rank 1 that must stop both ranks with its message.
 AWQ artifacts are byte-identical to the one-process run. GPTQ sums the ranks' Hessians in another order than
-one process's running mean: within the bound docs/DISTRIBUTED.md states (here, on this CPU, also identical).
+one process's running mean, so its codes may differ: its artifact is held to the bound docs/DISTRIBUTED.md
+states, on GPTQ's own objective (each linear's loss in the manifest).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -24,7 +26,8 @@ from tests.conftest import build_tiny_model, tiny_recipe
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "integration" / "dist_worker.py"
 RUN_RECORDS = {"manifest.json", "README.md"}  # timings, dates, the world size
-GPTQ_MAX_DIFFERING = 1e-3  # docs/DISTRIBUTED.md: share of a packed tensor's elements that may differ (GPTQ)
+GPTQ_LINEAR_LOSS_RTOL = 0.05  # docs/DISTRIBUTED.md: each linear's GPTQ loss, N ranks against one
+GPTQ_TOTAL_LOSS_RTOL = 0.01  # and the sum over every linear
 TIMEOUT_S = 120
 
 
@@ -60,10 +63,9 @@ def _same_files(a: Path, b: Path) -> list[str]:
     return [n for n in names if (a / n).read_bytes() != (b / n).read_bytes()]
 
 
-def _differing_share(a: Path, b: Path) -> dict[str, float]:
-    ta, tb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    assert ta.keys() == tb.keys()
-    return {k: (ta[k] != tb[k]).float().mean().item() for k in ta if not torch.equal(ta[k], tb[k])}
+def _gptq_losses(art: Path) -> dict[str, float]:
+    stats = json.loads((art / "manifest.json").read_text())["gptq_stats"]
+    return {f"{layer}.{n}": s["loss"] for layer, linears in stats.items() for n, s in linears.items() if n != "seconds"}
 
 
 VARIANTS = {
@@ -90,8 +92,16 @@ def test_two_ranks_write_the_one_rank_artifact(small_llama, tmp_path, variant):
         assert differ == [], f"AWQ on two ranks must be byte-identical; differ: {differ}"
     else:
         assert set(differ) <= {"model.safetensors"}, differ
-        shares = _differing_share(one, two)
-        assert all(s <= GPTQ_MAX_DIFFERING for s in shares.values()), shares
+        a, b = _gptq_losses(one), _gptq_losses(two)
+        assert a.keys() == b.keys() and len(a) == 14  # 2 layers x 7 linears
+        far = {k: (a[k], b[k]) for k in a if abs(a[k] - b[k]) > GPTQ_LINEAR_LOSS_RTOL * a[k]}
+        assert far == {}, f"GPTQ losses beyond the bound: {far}"
+        assert abs(sum(a.values()) - sum(b.values())) <= GPTQ_TOTAL_LOSS_RTOL * sum(a.values())
+        tensors_one, tensors_two = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+        assert tensors_one.keys() == tensors_two.keys()
+        for k, t in tensors_one.items():  # the 16-bit tensors GPTQ leaves alone are the same bits
+            if not k.endswith(("qweight", "qzeros", "scales", "g_idx")):
+                assert torch.equal(t, tensors_two[k]), k
 
 
 @pytest.mark.parametrize("where", ["unit", "layer"])
