@@ -1,10 +1,12 @@
-"""How work is split over ranks: contiguous shares of batches and rows, and the greedy owner assignment. Pure
-arithmetic on a Dist that joins no process group (tests/integration/test_distributed.py runs real ranks)."""
+"""How work is split over ranks: contiguous shares of batches and rows, the greedy owner assignment, how another
+rank's error is rebuilt, and which commands refuse torchrun. Nothing joins a process group here
+(tests/integration/test_distributed.py runs real ranks)."""
 
 from __future__ import annotations
 
 import torch
 
+from pipeline import cli
 from quantize.distributed import DistributedError, Dist, _portable
 from quantize.preflight import PreflightError
 
@@ -38,3 +40,11 @@ def test_another_ranks_error_keeps_its_class_and_names_the_rank():
             super().__init__(a, b)
     e = _portable(Odd("x", "y"), 2)
     assert isinstance(e, DistributedError) and str(e).startswith("rank 2: ") and "Odd" in str(e)
+
+
+def test_only_run_is_spread_over_ranks(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert cli.main(["list"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: `list` runs in one process; only `run` is spread over ranks: "
+                                               "start it without torchrun")
