@@ -87,9 +87,6 @@ class Dist:
         """This rank's share of n items (calibration batches, rows): contiguous, sizes differing by at most one."""
         return range(n * self.rank // self.world, n * (self.rank + 1) // self.world)
 
-    def spans(self, n: int) -> list[range]:
-        return [range(n * r // self.world, n * (r + 1) // self.world) for r in range(self.world)]
-
     def owner(self, cost: float) -> int:
         """The rank that computes a unit of work of this cost: the least loaded so far (greedy balancing; every rank
         makes the same calls in the same order, so all agree without talking)."""
@@ -174,9 +171,6 @@ class Dist:
                     raise out.error
                 raise err
         return out
-
-    def barrier(self) -> None:
-        dist.barrier()
 
     def explain(self, e: BaseException) -> BaseException:
         """The error this rank stops with, given the one it caught: another rank's published message when that
