@@ -143,8 +143,9 @@ def table(report: dict) -> str:
         return f"{'-' if v is None else v:>{width}}"
 
     for r in report["summary"]:
+        speedup = "-" if r["speedup"] is None else r["speedup"]
         lines.append(f"{r['shape']:5} {r['method']:6} {r['runner']:6} {cell(r['s_per_layer_1'], r['status_1'], 10)} "
-                     f"{cell(r['s_per_layer_2'], r['status_2'], 10)} {'-' if r['speedup'] is None else r['speedup']:>8} "
+                     f"{cell(r['s_per_layer_2'], r['status_2'], 10)} {speedup:>8} "
                      f"{cell(r['peak_gib_1'], r['status_1'], 11)} {cell(r['peak_gib_2'], r['status_2'], 11)}")
     for name, r in report["runs"].items():
         if r.get("supported") is False:

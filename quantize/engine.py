@@ -175,7 +175,8 @@ def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], 
 
 
 def _clip_layer(data: LayerData, arch: Arch, local: set[str], opts, spec: awq.QSpec,
-                grams: dict[str, torch.Tensor], dist: Dist | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                grams: dict[str, torch.Tensor], dist: Dist | None = None
+                ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Clip search for every converted, clippable linear of data.layer (exact, all tokens) -> name -> (lo, hi)
     per group. grams: feature name -> its group Gram matrices, filled in as needed. dist: one owner per linear."""
     names = [n for n in arch.linears if n in local and n not in arch.no_clip]
@@ -374,13 +375,14 @@ def _row_split_solve(problems: list[tuple[torch.Tensor, torch.Tensor]], spec: gp
                      dist: Dist) -> list[gptq.GptqResult]:
     """`gptq.gptq_quantize_many` with each problem's rows split over the ranks (rows are independent given H:
     every rank factorises the same H, sweeps its contiguous share of the rows) -> the results, rows joined."""
+    def fields(x: gptq.GptqResult) -> tuple:
+        return x.codes, x.scales, x.zeros, x.row_loss, x.damp_used, x.dead_columns, x.kernel
+
     def mine():
         spans = [dist.span(w.shape[0]) for w, _ in problems]
         todo = [(w[r.start : r.stop], h) for (w, h), r in zip(problems, spans) if len(r)]
         solved = iter(gptq.gptq_quantize_many(todo, spec, sweep=sweep, side=side_stream(device)) if todo else [])
-        return [None if not len(r) else
-                (lambda x: (x.codes, x.scales, x.zeros, x.row_loss, x.damp_used, x.dead_columns, x.kernel))(next(solved))
-                for r in spans]
+        return [fields(next(solved)) if len(r) else None for r in spans]
     parts = dist.gather(dist.attempt(mine))
     out = []
     for i in range(len(problems)):

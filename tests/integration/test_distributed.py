@@ -71,7 +71,8 @@ def _gptq_losses(art: Path) -> dict[str, float]:
 VARIANTS = {
     "awq": {},
     # GPTQ's rounding on AWQ's grids (one owner per shared input), a coarse-to-fine search (rounds of candidates)
-    "awq-gptq-rounding": dict(awq=dict(n_grid=10, clip_grid=10, rounding="gptq"), advanced=dict(awq=dict(coarse_step=2))),
+    "awq-gptq-rounding": dict(awq=dict(n_grid=10, clip_grid=10, rounding="gptq"),
+                              advanced=dict(awq=dict(coarse_step=2))),
     "gptq": dict(method="gptq", zero_point=False),
 }
 
@@ -81,7 +82,7 @@ def test_two_ranks_write_the_one_rank_artifact(small_llama, tmp_path, variant):
     method = "gptq" if variant == "gptq" else "awq"
     recipe = tiny_recipe(tmp_path, small_llama, name=f"dist-{variant}", eval=dict(enabled=False), **VARIANTS[variant])
     one = _one_rank(recipe, tmp_path / "one")
-    p = subprocess.run(_torchrun("--nproc-per-node", "2", "-m", "pipeline", "run", str(recipe),
+    p = subprocess.run(_torchrun("--standalone", "--nproc-per-node", "2", "-m", "pipeline", "run", str(recipe),
                                  "--out", str(tmp_path / "two")), env=_env(), capture_output=True, text=True,
                        timeout=TIMEOUT_S, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -104,11 +105,31 @@ def test_two_ranks_write_the_one_rank_artifact(small_llama, tmp_path, variant):
                 assert torch.equal(t, tensors_two[k]), k
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_more_ranks_than_batches(small_llama, tmp_path, method):
+    """3 ranks, 2 calibration batches: rank 0 forwards nothing and still takes its share of candidates, owners and
+    rows; the artifact is the one-rank one (GPTQ: within the bound; here identical)."""
+    over = dict(method="gptq", zero_point=False) if method == "gptq" else {}
+    recipe = tiny_recipe(tmp_path, small_llama, name=f"dist3-{method}", eval=dict(enabled=False),
+                         calibration=dict(dataset="groups-merged", n_samples=8, seq_len=64, seed=0), **over)
+    one = _one_rank(recipe, tmp_path / "one")
+    p = subprocess.run(_torchrun("--standalone", "--nproc-per-node", "3", "-m", "pipeline", "run", str(recipe),
+                                 "--out", str(tmp_path / "three")), env=_env(), capture_output=True, text=True,
+                       timeout=TIMEOUT_S, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    three = tmp_path / "three" / recipe.stem
+    differ = _same_files(one, three)
+    assert differ == [] if method == "awq" else set(differ) <= {"model.safetensors"}, differ
+    if method == "gptq":
+        a, b = _gptq_losses(one), _gptq_losses(three)
+        assert all(abs(a[k] - b[k]) <= GPTQ_LINEAR_LOSS_RTOL * a[k] for k in a)
+
+
 @pytest.mark.parametrize("where", ["unit", "layer"])
 def test_a_failure_on_rank_1_stops_both_ranks_with_its_message(small_llama, tmp_path, where):
     recipe = tiny_recipe(tmp_path, small_llama, name="dist-fail", eval=dict(enabled=False))
     out = tmp_path / "art"
-    p = subprocess.run(_torchrun("--nproc-per-node", "2", "--tee", "3", str(WORKER), "run", str(recipe),
+    p = subprocess.run(_torchrun("--standalone", "--nproc-per-node", "2", "--tee", "3", str(WORKER), "run", str(recipe),
                                  "--out", str(out)), env=_env(DIST_TEST_FAIL=f"1:{where}"), capture_output=True,
                        text=True, timeout=TIMEOUT_S, cwd=tmp_path)
     assert p.returncode != 0
