@@ -345,30 +345,19 @@ def gptq_spec(recipe, scale_dtype: torch.dtype) -> gptq.GptqSpec:
 
 def _summed_hessians(data: LayerData, keys: list[str], dist: Dist) -> dict[str, torch.Tensor]:
     """The Hessians 2·XᵀX / n of the inputs of linears `keys` over every rank's tokens: each rank sums xᵀx over
-    its share of the batches (float32; half-precision inputs through float32-accumulating products), the sums
-    are added over ranks and divided by the total token count once. Exact sums, not a mean of means; the
-    additions run in another order than one process's running mean, so H differs from it in the last bits
-    (docs/DISTRIBUTED.md: what that does to the codes)."""
+    its share of the batches (`gptq.HessianAccumulator.add_sum`: float32 sums, half-precision inputs through
+    float32-accumulating products, wide inputs by the upper blocks), the sums are added over ranks and divided
+    by the total token count once. Exact sums, not a mean of means; the additions run in another order than one
+    process's running mean, so H differs from it in the last bits (docs/DISTRIBUTED.md: what that does)."""
     layer, mine = data.layer, dist.span(len(data.inputs))
-    device = data.inputs[0].device
-    sums = {k: torch.zeros(layer.get_submodule(k).in_features, layer.get_submodule(k).in_features,
-                           dtype=torch.float32, device=device) for k in keys}
-
-    def add(k: str, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1])  # [tokens, in]
-        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
-            sums[k].add_(torch.mm(x.t(), x, out_dtype=torch.float32))
-        else:
-            xf = x.float()
-            sums[k].addmm_(xf.t(), xf)
-
+    accs = {k: gptq.HessianAccumulator(layer.get_submodule(k).in_features, data.inputs[0].device) for k in keys}
     if len(mine):
         dist.agree(lambda: feed_inputs(layer, data.inputs[mine.start : mine.stop],
-                                       data.kwargs[mine.start : mine.stop], keys, add))
+                                       data.kwargs[mine.start : mine.stop], keys, lambda k, x: accs[k].add_sum(x)))
     else:
         dist.agree(lambda: None)
     n = sum(t.shape[0] * t.shape[1] for t in data.inputs)
-    return {k: dist.all_sum(h).mul_(2.0 / n) for k, h in sums.items()}
+    return {k: acc.reduced(dist.all_sum, n) for k, acc in accs.items()}
 
 
 def _row_split_solve(problems: list[tuple[torch.Tensor, torch.Tensor]], spec: gptq.GptqSpec, sweep, device,
