@@ -23,9 +23,13 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-# make quantize [RECIPE=name] [FORCE=1]: recipes/<name>.yaml -> artifacts/<name>/
+# make quantize [RECIPE=name] [FORCE=1] [GPUS=n]: recipes/<name>.yaml -> artifacts/<name>/
+# GPUS=n > 1: n processes on this host through torchrun (one GPU each, NCCL; gloo on a CPU-only host); the batches
+# are split over them and rank 0 writes the artifact (README: Several GPUs and hosts).
+GPUS ?= 1
+LAUNCH = $(if $(filter-out 1,$(GPUS)),$(PY) -m torch.distributed.run --standalone --nproc-per-node $(GPUS),$(PY))
 quantize: $(STAMP)
-	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m pipeline run $(RECIPE) $(if $(FORCE),--force)
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(LAUNCH) -m pipeline run $(RECIPE) $(if $(FORCE),--force)
 
 # make eval [RECIPE=name]: perplexity FP16 vs quantized + vLLM smoke-load -> artifacts/<name>/report.{json,md}
 # (make quantize already runs it unless the recipe sets eval.enabled: false). Exit 3 when a gate fails.

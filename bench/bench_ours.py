@@ -8,6 +8,9 @@ forward, jobs - and each method stage's seconds: GPTQ's Hessian and sweep per li
 search, clip and quantize; the device code's own facts under `device`), the peak GPU memory of this process
 (torch.cuda.max_memory_allocated and max_memory_reserved, from the RunLog) and its peak RSS. Writes the record
 to --json and prints it as the last line.
+
+Under torchrun (bench/gpu_dist.py: `torchrun --nproc-per-node 2 bench/bench_ours.py ...`) every rank runs its share
+(`quantize.distributed`); rank 0 writes the record, with every rank's peak GPU memory under "ranks".
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from quantize import runner  # noqa: E402
+from quantize import distributed, runner  # noqa: E402
 from quantize.runlog import RunLog  # noqa: E402
 
 PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "pydantic", "compressed-tensors")
@@ -78,13 +81,26 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    dist = distributed.init_from_env()
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     runlog = RunLog()
     t1 = time.perf_counter()
-    art = runner.run(args.recipe, out_root=args.out_root, force=True, runlog=runlog)
-    run_s = time.perf_counter() - t1
+    try:
+        art = runner.run(args.recipe, out_root=args.out_root, force=True, runlog=runlog, dist=dist)
+        run_s = time.perf_counter() - t1
+        ranks = None
+        if dist is not None:  # each rank's own peaks: rank 0's runlog holds only its own
+            mine = {"rank": dist.rank, "device": str(dist.device), "layer_s": [r.seconds for r in runlog.layers],
+                    "peak_gpu_alloc_gib": gib(torch.cuda.max_memory_allocated(dist.device)) if cuda else None,
+                    "peak_gpu_reserved_gib": gib(torch.cuda.max_memory_reserved(dist.device)) if cuda else None,
+                    "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+            ranks = dist.gather(mine)
+            if dist.rank != 0:
+                return {}
+    finally:
+        distributed.shutdown()
     man = json.loads((art / "manifest.json").read_text())
     record = {
         "runner": "ours", "recipe": man["recipe"]["name"], "method": man["recipe"]["method"],
@@ -100,7 +116,11 @@ def main(argv: list[str] | None = None) -> dict:
         "artifact_bytes": sum(f.stat().st_size for f in art.iterdir() if f.is_file()),
         "weights_sha256": {n: f["sha256"] for n, f in man["files"].items() if n.endswith(".safetensors")},
         "runlog": runlog.to_dict(),
+        "world_size": 1 if ranks is None else len(ranks), "ranks": ranks,
     }
+    if ranks is not None and cuda:  # the busiest GPU's peak
+        record["peak_gpu_alloc_gib"] = max(r["peak_gpu_alloc_gib"] for r in ranks)
+        record["peak_gpu_reserved_gib"] = max(r["peak_gpu_reserved_gib"] for r in ranks)
     args.json.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record), flush=True)
     return record

@@ -11,15 +11,18 @@ import json
 import logging
 import signal
 import sys
+import os
 import threading
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
-from quantize import runner
+from quantize import distributed, runner
 from quantize.arch import UnsupportedArchitecture
 from quantize.calib import CalibrationError
 from quantize.capture import NumericalError
+from quantize.distributed import DistributedError
 from quantize.export import DiskFullError, ExportError, NonFiniteTensorError, OutputExistsError
 from quantize.lock import OutputLockedError, output_lock
 from quantize.manifest import ArtifactError
@@ -37,7 +40,8 @@ from .registry import RegistryError
 USER_ERRORS: tuple[type[BaseException], ...] = (RecipeError, PreflightError, ModelSourceError, CalibrationError,
                                                 UnsupportedArchitecture, OutputExistsError, FileNotFoundError,
                                                 RegistryError, OutputLockedError, DiskFullError, NumericalError,
-                                                UnsafePathError, ExportError, ArtifactError, NonFiniteTensorError)
+                                                UnsafePathError, ExportError, ArtifactError, NonFiniteTensorError,
+                                                DistributedError)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -168,8 +172,10 @@ def oom_message(e: BaseException, recipe_name: str, during_eval: bool = False) -
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
+    # under torchrun rank 0 tells the story; the others speak only of trouble
+    quiet = distributed.world_size() > 1 and os.environ.get("RANK", "0") != "0"
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     handled = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
     previous = {s: signal.signal(s, _interrupt) for s in handled}
     try:
@@ -184,9 +190,48 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, handler)
 
 
+def _run_command(args, recipe) -> int:
+    """`run`: quantize, then evaluate unless the recipe or --no-eval says not to. Under torchrun (WORLD_SIZE > 1)
+    every rank quantizes its share; rank 0 alone holds the lock, writes the artifact and evaluates it."""
+    dist = distributed.init_from_env()
+    try:
+        writer = dist is None or dist.rank == 0
+        with ExitStack() as held:
+            # one lock over quantize and eval: no other run can replace the artifact while it is being scored
+            take = lambda: held.enter_context(output_lock(child(args.out, recipe.name, "recipe name")))  # noqa: E731
+            if dist is None:
+                take()
+            else:  # a refused lock on rank 0 stops every rank
+                dist.agree(lambda: take() if writer else None)
+            try:
+                out = runner.run(args.recipe, out_root=args.out, force=args.force, locked=True, dist=dist)
+            except BaseException as e:  # noqa: BLE001 - the first failing rank's message is the one to show
+                if dist is None:
+                    raise
+                shown = dist.explain(e)
+                if shown is e:
+                    raise
+                raise shown from e
+            if not writer:
+                return 0
+            print(out)
+            if recipe.eval.enabled and not args.no_eval:
+                try:
+                    return run_eval(out, None, recipe.eval)
+                except (ValueError, RuntimeError) as e:
+                    e.during_eval = True  # the caller words an eval failure as one
+                    raise
+        return 0
+    finally:
+        distributed.shutdown()
+
+
 def _main(args) -> int:
     during_eval = False
     try:
+        if args.cmd != "run" and distributed.world_size() > 1:
+            raise DistributedError(f"`{args.cmd}` runs in one process; only `run` is spread over ranks: start it "
+                                   f"without torchrun")
         if args.cmd == "list":
             for name in list_recipes():
                 vs = load_variants(name)
@@ -231,25 +276,20 @@ def _main(args) -> int:
             return 0
         recipe = load_recipe(args.recipe)
         check_output_parent(args.out)
-        # one lock over quantize and eval: no other run can replace the artifact while it is being scored
-        with output_lock(child(args.out, recipe.name, "recipe name")):
-            out = runner.run(args.recipe, out_root=args.out, force=args.force, locked=True)
-            print(out)
-            if recipe.eval.enabled and not args.no_eval:
-                during_eval = True
-                return run_eval(out, None, recipe.eval)
-        return 0
+        return _run_command(args, recipe)
     except USER_ERRORS as e:
         if args.debug:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # what the eval stage raises for its inputs
+        during_eval = during_eval or getattr(e, "during_eval", False)
         if not during_eval or args.debug:
             raise
         print(f"error: eval: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
+        during_eval = during_eval or getattr(e, "during_eval", False)
         if args.cmd not in ("run", "preflight", "eval") or not is_out_of_memory(e) or args.debug:
             raise
         print(f"error: {oom_message(e, args.recipe, during_eval)}", file=sys.stderr)

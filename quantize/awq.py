@@ -120,6 +120,7 @@ def search_scales(
     coarse_step: int = 1,
     x_loss: torch.Tensor | None = None,
     grid_batch: int = 1,
+    spread: Callable[[Callable[[list], list[float]], list, int], list[float]] | None = None,
 ) -> ScaleSearch:
     """x: [tokens, in] shared input of `linears` -> best scales [in] (fp32), ratio and losses.
 
@@ -130,6 +131,9 @@ def search_scales(
     Δw XᵀX Δwᵀ (fp32) when x is fp32 and tokens' >= in, else from X Δwᵀ directly in x's dtype (half precision
     runs ~15x faster than fp32 on a GPU), `grid_batch` candidates per matmul.
     `coarse_step` (see grid_order) > 1 evaluates a coarse grid and refines around its best point.
+    spread(losses_of, candidates, chunk) -> losses of every candidate, in order: how a round's candidates are
+    evaluated (default: all here). Several processes may each take a share of whole chunks of `chunk`
+    candidates (the batches one matmul evaluates), so every loss is computed as it would be here.
     Weights are restored before returning.
     """
     x_loss = x if x_loss is None else x_loss
@@ -166,6 +170,8 @@ def search_scales(
                 out.append(err.item() / n_out)
             return out
 
+    evaluate = spread or (lambda fn, cands, chunk: fn(cands))
+    chunk = grid_batch if run_inspect is None else 1
     losses: dict[float, float] = {}
     best_i, best_loss = None, float("inf")
     rounds = grid_order(n_grid, coarse_step)
@@ -173,7 +179,7 @@ def search_scales(
         idx = next(rounds)
         while True:
             cands = [_duo_scales(x_mean, w_mean, i / n_grid, duo_scaling) for i in idx]
-            for i, loss in zip(idx, losses_of(cands)):
+            for i, loss in zip(idx, evaluate(losses_of, cands, chunk)):
                 losses[i / n_grid] = loss
                 if loss < best_loss:
                     best_i, best_loss = i, loss

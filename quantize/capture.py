@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from .arch import Arch, decoder_layers, get_module
 from .device import Uploader, clock, device_copy, release_cache
+from .distributed import Dist
 from .progress import Progress
 from .runlog import RunLog
 
@@ -224,6 +225,7 @@ def run_shared(
     jobs: Sequence[LayerJob],
     checkpointer=None,
     runlog: RunLog | None = None,
+    dist: Dist | None = None,
 ) -> tuple[list[str], dict[str, float]]:
     """One pass over the decoder layers serving several jobs (recipes) that share a model and calibration.
 
@@ -233,12 +235,14 @@ def run_shared(
     and computes exactly what it would compute alone. `job.keep(i, layer)` receives the layer as the job left it.
     checkpointer: a `checkpoint.Checkpointer`; the pass resumes after its last saved layer and saves as it goes.
     runlog: receives each layer's seconds and the parts of them (`runlog.LayerRecord`).
+    dist: several ranks (`distributed.Dist`): each layer's forwards run on this rank's share of the batches and
+    their outputs (and the linears' inputs) are gathered in batch order, so every job sees what one process sees.
     NaN/inf: a layer with non-finite weights stops the run naming it; activations that overflow in half
     precision (Qwen in fp16) switch the pass to float32 from that layer on.
     -> (notes saying where that happened, seconds per part of the pass summed over layers)
     """
     layers = decoder_layers(model, arch)
-    p = _SharedPass(arch, device, compute_dtype, feature_names, jobs, Uploader(layers, device), runlog)
+    p = _SharedPass(arch, device, compute_dtype, feature_names, jobs, Uploader(layers, device), runlog, dist)
     start_at = 0
     if any(j.propagate != "none" for j in jobs):
         p.inputs, p.layer_kwargs = first_layer_inputs(model, arch, samples, device, compute_dtype, batch_size)
@@ -283,9 +287,9 @@ class _SharedPass:
     """The state `run_shared` carries from layer to layer: FP-chain inputs, private chains, the compute dtype."""
 
     def __init__(self, arch: Arch, device: torch.device, dtype: torch.dtype, feature_names: list[str], jobs,
-                 uploader: Uploader, runlog: RunLog | None = None):
+                 uploader: Uploader, runlog: RunLog | None = None, dist: Dist | None = None):
         self.arch, self.device, self.dtype, self.names, self.jobs = arch, device, dtype, feature_names, jobs
-        self.uploader, self.runlog = uploader, runlog
+        self.uploader, self.runlog, self.dist = uploader, runlog, dist
         self.inputs: list[torch.Tensor] = []
         self.index = 0  # the layer being worked on
         self.layer_kwargs: list[list[dict]] = []  # per layer, per batch
@@ -338,7 +342,7 @@ class _SharedPass:
 
     def _fp_forward(self, i: int, layer: nn.Module, names: list[str]):
         return self._finite_run(f"decoder layer {i + 1}: NaN/inf in its activations", layer,
-                                lambda: forward_with_features(layer, self.inputs, self.kwargs, names),
+                                lambda: self._forward(layer, self.inputs, names),
                                 lambda r: [*r[0], *r[1].values()])
 
     def layer(self, i: int) -> None:
@@ -367,7 +371,7 @@ class _SharedPass:
                 last_user = all(not (j.wants_features and j.propagate == "fp") for j in jobs[n + 1 :])
                 feats = fp_feats if last_user else {k: t.clone() for k, t in fp_feats.items()}
             elif job.wants_features:
-                _, feats = forward_with_features(layer, self.chains[n], self.kwargs, self.names)
+                _, feats = self._forward(layer, self.chains[n], self.names)
             work = layer if len(jobs) == 1 else copy.deepcopy(layer)
             job.process(LayerData(i, work, self.chains.get(n, self.inputs), self.kwargs, feats))
             del feats
@@ -391,7 +395,21 @@ class _SharedPass:
     def _clock(self) -> float:
         return clock(self.device)
 
+    def _forward(self, layer: nn.Module, inputs: list[torch.Tensor], names: list[str]):
+        """`forward_with_features` over every batch; with several ranks each runs its share and the results are
+        gathered in batch order (the same tensors, bit for bit: each batch is computed alone either way)."""
+        if self.dist is None:
+            return forward_with_features(layer, inputs, self.kwargs, names)
+        mine = self.dist.span(len(inputs))
+        local = self.dist.attempt(lambda: forward_with_features(layer, inputs[mine.start : mine.stop],
+                                                                self.kwargs[mine.start : mine.stop], names)
+                                  if len(mine) else ([], {}))  # more ranks than batches: some have none
+        parts = self.dist.gather(local)
+        outs = [o for outs_r, _ in parts for o in outs_r]
+        feats = {n: torch.cat([f[n] for _, f in parts if f]) for n in names}
+        return outs, feats
+
     def _advance_chain(self, i: int, n: int, work: nn.Module) -> None:
         self.chains[n] = self._finite_run(f"decoder layer {i + 1} (quantized, job {n + 1}): NaN/inf in its outputs",
-                                          work, lambda: layer_forward(work, self.chains[n], self.kwargs),
+                                          work, lambda: self._forward(work, self.chains[n], [])[0],
                                           lambda outs: outs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,7 @@ from .arch import Arch, active_scale_groups, layer_prefix
 from .capture import LayerData, NumericalError, feed_inputs
 from .device import clock as _clock
 from .device import gptq_sweep, side_stream
+from .distributed import Dist
 from .formats.packing import pack_int32, unpack_int32
 from .primitives import dequantize, quantize, quantize_for_export
 from .runlog import RunLog
@@ -85,6 +87,14 @@ def _store(layer: nn.Module, name: str, prefix: str, codes, scales, zeros, resul
     results[f"{prefix}.{name}"] = QuantResult(codes.to(home), scales.to(home), zeros.to(home))
 
 
+def _owned(dist: Dist, units: list[tuple[float, Callable[[], object]]]) -> list:
+    """Units of work (cost, fn) -> their results in order, each computed once by its owner (`Dist.owner`) and
+    broadcast. Every rank first computes all it owns, then the results travel: the ranks work at the same time."""
+    owners = [dist.owner(cost) for cost, _ in units]
+    mine = {i: dist.attempt(fn) for i, ((_, fn), o) in enumerate(zip(units, owners)) if o == dist.rank}
+    return [dist.share(o, mine.get(i)) for i, o in enumerate(owners)]
+
+
 def _round_to_nearest(layer: nn.Module, names: list[str], spec: awq.QSpec, scale_dtype: torch.dtype, prefix: str,
                       results: dict[str, QuantResult]) -> None:
     for n in names:
@@ -137,8 +147,10 @@ def _rows(x: torch.Tensor, sizes: list[int], chosen: list[int]) -> torch.Tensor:
     return torch.cat([x[offsets[i] : offsets[i + 1]] for i in chosen])  # [tokens', in]
 
 
-def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], recipe, spec: awq.QSpec):
-    """Scale search for one scale group of data.layer -> awq.ScaleSearch."""
+def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], recipe, spec: awq.QSpec,
+                  dist: Dist | None = None):
+    """Scale search for one scale group of data.layer -> awq.ScaleSearch. dist: the candidate ratios of each round
+    are shared out over the ranks (`Dist.spread`), each loss computed whole on one rank."""
     opts, fast = recipe.awq, recipe.advanced.awq
     layer = data.layer
     linears = [layer.get_submodule(n) for n in g.linears]
@@ -158,19 +170,29 @@ def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], 
             return [_first(block(xi)) for xi in xb]
     with torch.no_grad():
         return awq.search_scales(x, linears, quantized, run_inspect, spec, opts.n_grid, opts.duo_scaling,
-                                 coarse_step=fast.coarse_step, x_loss=x_loss, grid_batch=fast.grid_batch)
+                                 coarse_step=fast.coarse_step, x_loss=x_loss, grid_batch=fast.grid_batch,
+                                 spread=None if dist is None else dist.spread)
 
 
 def _clip_layer(data: LayerData, arch: Arch, local: set[str], opts, spec: awq.QSpec,
-                grams: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                grams: dict[str, torch.Tensor], dist: Dist | None = None
+                ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Clip search for every converted, clippable linear of data.layer (exact, all tokens) -> name -> (lo, hi)
-    per group. grams: feature name -> its group Gram matrices, filled in as needed."""
-    ranges = {}
-    for n in [n for n in arch.linears if n in local and n not in arch.no_clip]:
+    per group. grams: feature name -> its group Gram matrices, filled in as needed. dist: one owner per linear."""
+    names = [n for n in arch.linears if n in local and n not in arch.no_clip]
+
+    def clip(n: str) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
-            ranges[n] = awq.search_clip(data.layer.get_submodule(n).weight.data, _group_gram(data, arch, n, spec, grams),
-                                        spec, opts.clip_grid, opts.max_shrink, per_side=opts.clip_search == "per_side")
-    return ranges
+            return awq.search_clip(data.layer.get_submodule(n).weight.data, _group_gram(data, arch, n, spec, grams),
+                                   spec, opts.clip_grid, opts.max_shrink, per_side=opts.clip_search == "per_side")
+    if dist is None:
+        return {n: clip(n) for n in names}
+    return dict(zip(names, _owned(dist, [(_cost(data.layer, [n]), lambda n=n: clip(n)) for n in names])))
+
+
+def _cost(layer: nn.Module, names: list[str]) -> float:
+    """The work of a unit over these linears, for the balanced assignment: in · out summed."""
+    return float(sum(layer.get_submodule(n).weight.numel() for n in names))
 
 
 def _group_gram(data: LayerData, arch: Arch, name: str, spec: awq.QSpec, grams: dict[str, torch.Tensor]):
@@ -220,26 +242,77 @@ def _awq_round(data: LayerData, arch: Arch, names: list[str], ranges: dict, gram
                    results)
 
 
+def _awq_round_owned(data: LayerData, arch: Arch, names: list[str], ranges: dict, grams: dict, recipe,
+                     spec: awq.QSpec, scale_dtype: torch.dtype, results: dict[str, QuantResult], dist: Dist) -> None:
+    """`_awq_round` with each unit on its owner: a linear (round-to-nearest) or the linears sharing one input
+    (GPTQ rounding, one Hessian); each unit computes exactly what `_awq_round` computes for it."""
+    layer, opts, prefix = data.layer, recipe.awq, layer_prefix(arch, data.index)
+
+    def grid(n: str):
+        w = layer.get_submodule(n).weight.data
+        scales, zeros = awq.clip_grid(w, *ranges.get(n, (None, None)), spec)
+        if opts.refit_iters:
+            scales = awq.refit_scales(w, _group_gram(data, arch, n, spec, grams), scales, zeros, spec,
+                                      opts.refit_iters, scale_dtype)
+        return scales.to(scale_dtype), zeros
+
+    def rtn(n: str):
+        with torch.no_grad():
+            scales, zeros = grid(n)
+            return [(quantize(layer.get_submodule(n).weight.data, scales, zeros, spec.w_bit), scales, zeros)]
+
+    def rounded(group: list[str], k: str):
+        with torch.no_grad():
+            grids = [grid(n) for n in group]
+            acc = gptq.HessianAccumulator(data.features[k].shape[1], data.features[k].device)
+            acc.add(data.features[k])
+            gspec = dataclasses.replace(gptq_spec(recipe, scale_dtype), act_order=True)
+            w = torch.cat([layer.get_submodule(n).weight.data for n in group])
+            dev = w.device
+            r = gptq.gptq_quantize_many([(w, acc.H)], gspec, [tuple(torch.cat([g[i] for g in grids]) for i in (0, 1))],
+                                        gptq_sweep(recipe.advanced.gptq.kernel, dev), side_stream(dev))[0]
+            rows = [layer.get_submodule(n).weight.shape[0] for n in group]
+            return [(c.contiguous(), s_.to(scale_dtype).contiguous(), z.contiguous())
+                    for c, s_, z in zip(*(t.split(rows) for t in (r.codes, r.scales, r.zeros)))]
+
+    if opts.rounding == "rtn":
+        units, groups = [(_cost(layer, [n]), lambda n=n: rtn(n)) for n in names], [[n] for n in names]
+    else:
+        feature_of = _feature_of(arch)
+        keys = sorted({feature_of[n] for n in names}, key=arch.linears.index)
+        groups = [[n for n in names if feature_of[n] == k] for k in keys]
+        units = [(_cost(layer, g), lambda g=g, k=k: rounded(g, k)) for g, k in zip(groups, keys)]
+    for group, parts in zip(groups, _owned(dist, units)):
+        for n, (codes, scales, zeros) in zip(group, parts):
+            _store(layer, n, prefix, codes, scales, zeros, results)
+
+
 def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype: torch.dtype,
-              results: dict[str, QuantResult], runlog: RunLog | None = None) -> dict:
+              results: dict[str, QuantResult], runlog: RunLog | None = None, dist: Dist | None = None) -> dict:
     """Search and apply AWQ scales, search clips, then quantize the layer on those grids -> search stats.
 
     Stats: per scale group (keyed by its `prev`) the chosen ratio, its loss, the RTN loss (α = 0), how many
     ratios were evaluated and the seconds taken; under "seconds" the time of each sub-stage (also into runlog).
+    dist: every rank holds every token's features; each scale search's candidates are shared out over the ranks
+    and each clip and rounding unit is computed by one owner and broadcast, so the results are those of one
+    process, bit for bit.
     """
     opts, spec = recipe.awq, _spec(recipe)
     device = data.inputs[0].device
     local = set(_local(arch, data.index, convert))
     t0 = _clock(device)
-    chosen, stats = search_layer_scales(data, arch, recipe, local)
+    chosen, stats = search_layer_scales(data, arch, recipe, local, dist)
     fold_scales(data, arch, chosen)
     t1 = _clock(device)
     grams: dict[str, torch.Tensor] = {}
-    ranges = _clip_layer(data, arch, local, opts, spec, grams) if opts.apply_clip else {}
+    ranges = _clip_layer(data, arch, local, opts, spec, grams, dist) if opts.apply_clip else {}
     t2 = _clock(device)
-    with torch.no_grad():
-        _awq_round(data, arch, [n for n in arch.linears if n in local], ranges, grams, recipe, spec, scale_dtype,
-                   results)
+    names = [n for n in arch.linears if n in local]
+    if dist is None:
+        with torch.no_grad():
+            _awq_round(data, arch, names, ranges, grams, recipe, spec, scale_dtype, results)
+    else:
+        _awq_round_owned(data, arch, names, ranges, grams, recipe, spec, scale_dtype, results, dist)
     t3 = _clock(device)
     stats["seconds"] = {"scale_search": round(t1 - t0, 4), "clip": round(t2 - t1, 4), "quantize": round(t3 - t2, 4)}
     if runlog is not None:
@@ -247,7 +320,8 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
     return stats
 
 
-def search_layer_scales(data: LayerData, arch: Arch, recipe, local: set[str]) -> tuple[list, dict]:
+def search_layer_scales(data: LayerData, arch: Arch, recipe, local: set[str],
+                        dist: Dist | None = None) -> tuple[list, dict]:
     """AWQ scale search for every foldable group of data.layer with a converted linear, all on the unmodified
     layer -> ([(group, scales [in])], stats per group keyed by its `prev`). Nothing is changed."""
     spec = _spec(recipe)
@@ -261,7 +335,7 @@ def search_layer_scales(data: LayerData, arch: Arch, recipe, local: set[str]) ->
         if not any(quantized):
             continue
         t = _clock(device)
-        r = _search_group(data, g, quantized, chosen_batches, recipe, spec)
+        r = _search_group(data, g, quantized, chosen_batches, recipe, spec, dist)
         stats[g.prev] = {"best_ratio": r.ratio, "loss": r.losses[r.ratio], "loss_rtn": r.losses[0.0],
                          "n_evaluated": len(r.losses), "seconds": round(_clock(device) - t, 4)}
         chosen.append((g, r.scales))
@@ -285,10 +359,49 @@ def gptq_spec(recipe, scale_dtype: torch.dtype) -> gptq.GptqSpec:
                          o.act_order, scale_dtype, fast.update)
 
 
+def _summed_hessians(data: LayerData, keys: list[str], dist: Dist) -> dict[str, torch.Tensor]:
+    """The Hessians 2·XᵀX / n of the inputs of linears `keys` over every rank's tokens: each rank sums xᵀx over
+    its share of the batches (`gptq.HessianAccumulator.add_sum`: float32 sums, half-precision inputs through
+    float32-accumulating products, wide inputs by the upper blocks), the sums are added over ranks and divided
+    by the total token count once. Exact sums, not a mean of means; the additions run in another order than one
+    process's running mean, so H differs from it in the last bits (docs/DISTRIBUTED.md: what that does)."""
+    layer, mine = data.layer, dist.span(len(data.inputs))
+    accs = {k: gptq.HessianAccumulator(layer.get_submodule(k).in_features, data.inputs[0].device) for k in keys}
+    if len(mine):
+        dist.agree(lambda: feed_inputs(layer, data.inputs[mine.start : mine.stop],
+                                       data.kwargs[mine.start : mine.stop], keys, lambda k, x: accs[k].add_sum(x)))
+    else:
+        dist.agree(lambda: None)
+    n = sum(t.shape[0] * t.shape[1] for t in data.inputs)
+    return {k: acc.reduced(dist.all_sum, n) for k, acc in accs.items()}
+
+
+def _row_split_solve(problems: list[tuple[torch.Tensor, torch.Tensor]], spec: gptq.GptqSpec, sweep, device,
+                     dist: Dist) -> list[gptq.GptqResult]:
+    """`gptq.gptq_quantize_many` with each problem's rows split over the ranks (rows are independent given H:
+    every rank factorises the same H, sweeps its contiguous share of the rows) -> the results, rows joined."""
+    def fields(x: gptq.GptqResult) -> tuple:
+        return x.codes, x.scales, x.zeros, x.row_loss, x.damp_used, x.dead_columns, x.kernel
+
+    def mine():
+        spans = [dist.span(w.shape[0]) for w, _ in problems]
+        todo = [(w[r.start : r.stop], h) for (w, h), r in zip(problems, spans) if len(r)]
+        solved = iter(gptq.gptq_quantize_many(todo, spec, sweep=sweep, side=side_stream(device)) if todo else [])
+        return [fields(next(solved)) if len(r) else None for r in spans]
+    parts = dist.gather(dist.attempt(mine))
+    out = []
+    for i in range(len(problems)):
+        got = [p[i] for p in parts if p[i] is not None]
+        codes, scales, zeros, row_loss = (torch.cat([g[j] for g in got]) for j in range(4))
+        out.append(gptq.GptqResult(codes, scales, zeros, max(g[4] for g in got), got[0][5], row_loss, got[0][6]))
+    return out
+
+
 def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype: torch.dtype,
-               results: dict[str, QuantResult], runlog: RunLog | None = None) -> dict:
+               results: dict[str, QuantResult], runlog: RunLog | None = None, dist: Dist | None = None) -> dict:
     """GPTQ for one decoder layer: per stage, accumulate Hessians (on quantized predecessors), quantize.
-    Each stage's Hessian and sweep seconds go to runlog."""
+    Each stage's Hessian and sweep seconds go to runlog. dist: Hessians summed over the ranks' shares of the
+    batches (`_summed_hessians`), each sweep's rows split over the ranks (`_row_split_solve`)."""
     layer, opts = data.layer, recipe.gptq
     local = _local(arch, data.index, convert)
     stages = arch.sequential if opts.true_sequential else (tuple(arch.linears),)
@@ -305,16 +418,24 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
             continue
         t0 = _clock(device)
         keys = sorted({feature_of[n] for n in names}, key=arch.linears.index)  # one Hessian per shared input
-        accs = {k: gptq.HessianAccumulator(layer.get_submodule(k).in_features, data.inputs[0].device) for k in keys}
-        feed_inputs(layer, data.inputs, data.kwargs, keys, lambda k, x: accs[k].add(x))
+        if dist is None:
+            accs = {k: gptq.HessianAccumulator(layer.get_submodule(k).in_features, data.inputs[0].device)
+                    for k in keys}
+            feed_inputs(layer, data.inputs, data.kwargs, keys, lambda k, x: accs[k].add(x))
+            hessians = {k: accs[k].H for k in keys}
+        else:
+            hessians = _summed_hessians(data, keys, dist)
         t1 = _clock(device)
         seconds["hessian"] += t1 - t0
         groups = [[n for n in names if feature_of[n] == key] for key in keys]  # linears sharing one Hessian
         weights = [[layer.get_submodule(n).weight.data for n in shared] for shared in groups]
         # one sweep over the row-concatenated weights of each group; independent groups (one-pass Hessians)
         # overlap on CUDA
-        solved = gptq.gptq_quantize_many([(torch.cat(w), accs[k].H) for w, k in zip(weights, keys)], spec,
-                                         sweep=sweep, side=side_stream(device))
+        problems = [(torch.cat(w), hessians[k]) for w, k in zip(weights, keys)]
+        if dist is None:
+            solved = gptq.gptq_quantize_many(problems, spec, sweep=sweep, side=side_stream(device))
+        else:
+            solved = _row_split_solve(problems, spec, sweep, device, dist)
         for shared, ws, r in zip(groups, weights, solved):
             rows = [w.shape[0] for w in ws]
             parts = zip(*([p.clone() for p in t.split(rows)] for t in (r.codes, r.scales, r.zeros, r.row_loss)))
@@ -360,6 +481,7 @@ class Job:
     overrides: dict[str, torch.Tensor] = field(default_factory=dict)
     seconds: float = 0.0
     runlog: RunLog | None = None  # receives each layer's method stage seconds
+    dist: Dist | None = None  # several ranks share the work (`distributed`)
 
     @property
     def propagate(self) -> str:
@@ -372,10 +494,11 @@ class Job:
     def process(self, data: LayerData) -> None:
         r, arch = self.recipe, self.arch
         if r.method == "awq":
-            self.stats[data.index] = awq_layer(data, arch, r, self.convert, self.scale_dtype, self.results, self.runlog)
+            self.stats[data.index] = awq_layer(data, arch, r, self.convert, self.scale_dtype, self.results, self.runlog,
+                                               self.dist)
         elif r.method == "gptq":
             self.stats[data.index] = gptq_layer(data, arch, r, self.convert, self.scale_dtype, self.results,
-                                                self.runlog)
+                                                self.runlog, self.dist)
         else:
             _round_to_nearest(data.layer, _local(arch, data.index, self.convert), _spec(r), self.scale_dtype,
                               layer_prefix(arch, data.index), self.results)

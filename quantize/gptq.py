@@ -126,6 +126,27 @@ class HessianAccumulator:
         self._add_gram(x, lambda a, b: a.t() @ b)
 
 
+    def add_sum(self, x: torch.Tensor) -> None:
+        """Σ x xᵀ over x [..., in] added unscaled (never mixed with `add`): a partial sum for `reduced`. Half-precision
+        CUDA inputs through float32-accumulating products, others in float32; wide inputs by the upper blocks."""
+        x = x.reshape(-1, x.shape[-1])  # [tokens, in]
+        self._raw = True
+        self.n += x.shape[0]
+        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+            self._add_gram(x, lambda a, b: torch.mm(a.t(), b, out_dtype=torch.float32))
+        else:
+            xf = x.float()
+            self._add_gram(xf, lambda a, b: a.t() @ b)
+
+    def reduced(self, all_sum: Callable[[torch.Tensor], torch.Tensor], tokens: int) -> torch.Tensor:
+        """H = 2/tokens Σ x xᵀ over every process's partial sum (`add_sum`): all_sum adds the others' sums to this
+        one in place (the same result on each); tokens: their total count. A process that saw no tokens joins too."""
+        all_sum(self._H)
+        self.n, self._raw = tokens, True
+        self._upper = self._H.shape[0] >= self.symmetric_min  # as every process that saw tokens filled it
+        return self.H
+
+
 def _factor_launch(H: torch.Tensor, lam: float, textbook: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One attempt of `_feedback_factor` at dampening λ -> (A, t, ok), ok a 0-dim bool tensor: the
     factorisation succeeded and A, t are finite. The host waits once, for the dampening scalar; the

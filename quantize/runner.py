@@ -18,6 +18,7 @@ from . import calib, export, integrity, modelcard, serve_config, source
 from .arch import Arch, UnsupportedArchitecture, arch_for
 from .capture import run_shared
 from .device import configure_allocator
+from .distributed import Dist
 from .checkpoint import Checkpointer, fingerprint
 from .engine import DTYPES, Job, feature_names, is_skipped, propagation
 from .pack import pack_all
@@ -169,47 +170,78 @@ def share_key(recipe: Recipe) -> tuple:
 
 
 def run(recipe_name: str | Path, out_root: str | Path = "artifacts", force: bool = False,
-        locked: bool = False, runlog: RunLog | None = None) -> Path:
+        locked: bool = False, runlog: RunLog | None = None, dist: Dist | None = None) -> Path:
     """Quantize per recipe -> the artifact directory. `<out>.lock` is held for the whole run (locked: the caller
-    holds it already, to keep it over the eval that follows). runlog: filled with the run's timings."""
-    return run_many([load_recipe(recipe_name)], out_root, force, locked, runlog)[0]
+    holds it already, to keep it over the eval that follows). runlog: filled with the run's timings.
+    dist: one of several ranks (`distributed.init_from_env`); rank 0 alone writes the artifact."""
+    return run_many([load_recipe(recipe_name)], out_root, force, locked, runlog, dist)[0]
 
 
 def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: bool = False,
-             locked: bool = False, runlog: RunLog | None = None) -> list[Path]:
+             locked: bool = False, runlog: RunLog | None = None, dist: Dist | None = None) -> list[Path]:
     """Quantize several recipes of one model in one pass -> their artifact directories (in order).
 
     One model load, one calibration set, and one trip of each decoder layer to the device serve every recipe;
     each recipe still computes exactly what it would alone (see `capture.run_shared`). Every output's lock is
     held for the whole run. runlog: filled with the stages', layers' and method stages' seconds and the peak
     device memory (`runlog.RunLog`).
+    dist: several ranks share the pass (`distributed`); only rank 0 takes the locks and writes, the others return
+    the same paths once rank 0 has written them (or raise rank 0's error).
     """
     outs = [child(out_root, r.name, "recipe name") for r in recipes]
     check_output_parent(out_root)
+    writer = dist is None or dist.rank == 0
     with ExitStack() as locks:
         for out in outs:
-            if not locked:
+            if writer and not locked:
                 locks.enter_context(output_lock(out))
-            export.remove_stale(out)  # what a killed run of this output left; no live run can own it now
-        return _run_many(recipes, outs, force, runlog)
+            if writer:
+                export.remove_stale(out)  # what a killed run of this output left; no live run can own it now
+        return _run_many(recipes, outs, force, runlog, dist)
 
 
-def _run_many(recipes: list[Recipe], outs: list[Path], force: bool, runlog: RunLog | None) -> list[Path]:
+def _run_many(recipes: list[Recipe], outs: list[Path], force: bool, runlog: RunLog | None,
+              dist: Dist | None = None) -> list[Path]:
     timings = Timings()
-    pf = preflight(recipes, outs, force, timings, run=True)
+    if dist is None:
+        pf = preflight(recipes, outs, force, timings, run=True)
+    else:  # every rank checks and calibrates on its own; a failure on any stops all, with its message
+        pf = dist.agree(lambda: preflight(recipes, outs, force, timings, run=True))
+        if pf.device.type == "cuda":
+            pf.device = dist.device  # cuda:LOCAL_RANK
     first, device, compute_dtype = recipes[0], pf.device, pf.compute_dtype
     dtype = DTYPES[first.dtype]
     with timings.stage("load"):
         storage_dtype = compute_dtype if device.type == "cpu" else dtype
-        model = source.load_model(pf.src, storage_dtype, first.trust_remote_code)
+        load = lambda: source.load_model(pf.src, storage_dtype, first.trust_remote_code)  # noqa: E731
+        model = load() if dist is None else dist.agree(load)
         tied = tied_embeddings(model)
-    jobs = [Job(r, pf.arch, set(p.convert), dtype, runlog=runlog) for r, p in zip(recipes, pf.plans)]
+    jobs = [Job(r, pf.arch, set(p.convert), dtype, runlog=runlog, dist=dist) for r, p in zip(recipes, pf.plans)]
     # once per run: git status is a subprocess
     provenance = {"versions": _versions(), "git": git_commit(), "cuda_allocator": pf.cuda_allocator}
     ckpt = _checkpointer(recipes, outs[0], pf, provenance)
+    if dist is not None:
+        provenance["distributed"] = {"world_size": dist.world, "backend": "nccl" if device.type == "cuda" else "gloo"}
+        if ckpt is not None:
+            log.info("checkpoints are not written with %d ranks: a killed run starts again", dist.world)
+            ckpt = None
     with timings.stage("quantize"):
         numerics, pass_seconds = run_shared(model, pf.arch, pf.samples, device, compute_dtype, first.batch_size,
-                              feature_names(pf.arch), jobs, ckpt, runlog)
+                                            feature_names(pf.arch), jobs, ckpt, runlog, dist)
+    if dist is not None:  # rank 0 writes; the others wait for its outcome
+        written = dist.attempt(lambda: _write_all(recipes, jobs, pf, outs, model, timings, force, runlog, tied,
+                                                  storage_dtype, numerics, pass_seconds, provenance, ckpt)) \
+            if dist.rank == 0 else None
+        return dist.share(0, written)
+    return _write_all(recipes, jobs, pf, outs, model, timings, force, runlog, tied, storage_dtype, numerics,
+                      pass_seconds, provenance, ckpt)
+
+
+def _write_all(recipes, jobs, pf: Checked, outs: list[Path], model, timings: Timings, force: bool,
+               runlog: RunLog | None, tied: bool, storage_dtype, numerics, pass_seconds, provenance,
+               ckpt) -> list[Path]:
+    """Every job's artifact, written in order -> their paths (the run's timings into runlog)."""
+    device, compute_dtype, dtype = pf.device, pf.compute_dtype, DTYPES[recipes[0].dtype]
     shared = {"variants": [r.name for r in recipes], "pass_s": timings.stages["quantize"],
               "per_variant_s": {j.recipe.name: round(j.seconds, 3) for j in jobs}} if len(jobs) > 1 else None
     run = RunRecord(pf.src, pf.config, tied, device, compute_dtype, storage_dtype, dtype, pf.calib_record, shared,
@@ -327,6 +359,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
             "versions": run.provenance["versions"], "git": run.provenance["git"],
             "timings_s": {**stages, "export": round(time.perf_counter() - t0, 3)},
             "pass_seconds": run.pass_seconds,  # the quantize stage's time: device upload, FP forwards, jobs
+            **({"distributed": run.provenance["distributed"]} if "distributed" in run.provenance else {}),
         }
         (tmp / "README.md").write_text(modelcard.render(extras))
         return extras

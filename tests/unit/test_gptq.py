@@ -250,3 +250,30 @@ def test_one_side_stream_per_device(monkeypatch):
     c = device.side_stream(torch.device("cuda", 1))
     assert a is b and c is not a and len(made) == 2
     assert device.side_stream(torch.device("cpu")) is None
+
+
+def test_partial_hessian_sums_reduce_to_the_running_mean():
+    """Two processes' `add_sum` partials, added (as all_reduce would) and scaled once, give the one-process H;
+    a process that saw no tokens ends with the same H. Wide inputs use the upper blocks and are mirrored."""
+    torch.manual_seed(0)
+    batches = [torch.randn(2, 5, 12) for _ in range(4)]
+    for wide in (False, True):
+        accs = [gptq.HessianAccumulator(12) for _ in range(4)]  # one process; two sharing; one with no tokens
+        for a in accs:
+            if wide:
+                a.symmetric_min, a.symmetric_block = 8, 4
+        for b in batches:
+            accs[0].add(b)
+        for b in batches[:2]:
+            accs[1].add_sum(b)
+        for b in batches[2:]:
+            accs[2].add_sum(b)
+        total = accs[1]._H + accs[2]._H + accs[3]._H
+
+        def all_sum(t, total=total):
+            return t.copy_(total)
+        got = [a.reduced(all_sum, 40) for a in accs[1:]]
+        for h in got:
+            torch.testing.assert_close(h, accs[0].H, rtol=1e-5, atol=1e-6)
+            assert torch.equal(h, h.t())
+        assert torch.equal(got[0], got[2])
