@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,7 +18,8 @@ from pathlib import Path
 import torch
 
 from . import formats
-from .arch import Arch, decoder_layers, layer_prefix
+from .arch import Arch, all_linears, checkpoint_name, decoder_layers, layer_prefix
+from .experts import split_experts
 from .recipe import Recipe
 
 TP_SIZES = (1, 2, 4, 8)
@@ -65,6 +67,7 @@ class Plan:
         rows: dict[tuple, int] = {}
         for lc in self.layers:
             local = lc.name.split(".", 3)[-1] if lc.name.count(".") >= 3 else lc.name
+            local = re.sub(r"\.experts\.\d+\.", ".experts.*.", local)  # one row for every routed expert
             key = (local, lc.in_features, lc.out_features, lc.cuda_kernel, lc.cpu_kernel, lc.note)
             rows[key] = rows.get(key, 0) + 1
         head = f"{'linear':22s} {'in':>6s} {'out':>6s} {'layers':>6s}  {'CUDA kernel':32s} CPU kernel"
@@ -103,25 +106,27 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
 
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.trust_remote_code)
+    split_experts(meta, arch)
     fmt, g = formats.get(recipe.out_format), recipe.q_group_size
     out, problems, shapes = Plan(), [], []
+    linears, fused_sets, row_parallel = _layer_linears(config, arch)
     for i, layer in enumerate(decoder_layers(meta, arch)):
         prefix = layer_prefix(arch, i)
-        wanted = {n for n in arch.linears if not is_skipped(f"{prefix}.{n}", recipe.modules_to_not_convert)}
-        for fused in arch.fused:
+        wanted = {n for n in linears if not is_skipped(f"{prefix}.{n}", recipe.modules_to_not_convert)}
+        for fused in fused_sets:
             inside = [n in wanted for n in fused]
             if any(inside) and not all(inside):
                 problems.append(f"{prefix}: {', '.join(fused)} are loaded by vLLM as one module, so "
                                 f"modules_to_not_convert must skip all of them or none")
         bad = set()
-        for n in sorted(wanted, key=arch.linears.index):
+        for n in sorted(wanted, key=linears.index):
             out_f, in_f = layer.get_submodule(n).weight.shape
             if (g != -1 and in_f % g) or out_f % fmt.pack_along_out or in_f % (32 // recipe.w_bit):
                 bad.add(n)
-        for fused in arch.fused:  # a fused set is skipped as a whole
+        for fused in fused_sets:  # a fused set is skipped as a whole
             if bad & set(fused):
                 bad |= set(fused) & wanted
-        for n in arch.linears:
+        for n in linears:
             full = f"{prefix}.{n}"
             if n not in wanted:
                 out.skipped[full] = "modules_to_not_convert"
@@ -142,7 +147,9 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
             kernel, note = fmt.cuda_kernel(in_f, out_f, g, recipe.symmetric)
             out.convert.append(full)
             out.layers.append(LayerCheck(full, in_f, out_f, kernel, CPU_KERNEL.get(recipe.w_bit, "none"), note))
-            shapes.append((full, in_f, out_f, n in arch.row_parallel))
+            shapes.append((full, in_f, out_f, n in row_parallel))
+        for n in arch.experts.unconverted() if arch.experts else ():
+            out.skipped[checkpoint_name(arch, f"{prefix}.{n}")] = "router: vLLM builds it unquantized"
     tp_sizes = _tp_sizes(shapes, g)
     problems += serve_problems(config, recipe, tp_sizes)
     if problems:
@@ -153,6 +160,22 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
     out.tied_embeddings = tied_embeddings(meta)
     out.tensor_bytes = estimate_tensor_bytes(meta, set(out.convert), recipe, out.tied_embeddings)
     return out
+
+
+def _layer_linears(config, arch: Arch) -> tuple[list[str], list[tuple[str, ...]], set[str]]:
+    """A decoder layer's quantizable linears, the sets vLLM loads as one module, the row-parallel ones.
+
+    vLLM's fused MoE module holds every routed expert of a layer: they are converted all or none.
+    """
+    linears, fused, row = all_linears(arch, config), list(arch.fused), set(arch.row_parallel)
+    if arch.experts is not None:
+        x = arch.experts
+        routed = tuple(n for n in linears if n.startswith(f"{x.module}."))
+        fused.append(routed)
+        if x.shared:
+            fused.append(x.shared_linears()[:2])
+        row |= {n for n in linears if n.endswith(".down_proj") and n not in arch.linears}
+    return linears, fused, row
 
 
 def context_length(config) -> int | None:

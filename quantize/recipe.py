@@ -93,6 +93,21 @@ class GptqOptions(_Strict):
     block_size: int = Field(128, gt=0)  # lazy-batch width of the column sweep
 
 
+MIN_EXPERT_TOKENS = 128  # one GPTQ block / AWQ group of columns sees at least this many samples
+
+
+class MoeOptions(_Strict):
+    """Mixture-of-experts calibration (models with experts only; see docs/MOE.md).
+
+    Each routed expert is calibrated on the tokens the router sends to it. An expert that receives fewer than
+    min_expert_tokens of the calibration tokens is calibrated on every calibration token instead (its Hessian and
+    activation statistics would be too thin: with none, GPTQ would write all-zero weights); the manifest lists
+    every expert's routed token count and which experts took this rule.
+    """
+
+    min_expert_tokens: int = Field(MIN_EXPERT_TOKENS, ge=0)
+
+
 class AdvancedAwq(_Strict):
     """AWQ search-speed experiments."""
 
@@ -229,6 +244,7 @@ class Recipe(_Strict):
     checkpoint_every_s: float | None = Field(120.0, ge=0)
     trust_remote_code: bool = False
     advanced: Advanced = Advanced()
+    moe: MoeOptions | None = None  # mixture-of-experts settings; None = the defaults (`MoeOptions`)
 
     @field_validator("q_group_size")
     @classmethod
@@ -274,8 +290,15 @@ class Recipe(_Strict):
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        """The resolved recipe as plain data (what the artifact records)."""
-        return self.model_dump(mode="json")
+        """The resolved recipe as plain data (what the artifact records); `moe` only when it was set."""
+        d = self.model_dump(mode="json")
+        if d["moe"] is None:
+            del d["moe"]
+        return d
+
+    @property
+    def moe_options(self) -> MoeOptions:
+        return self.moe or MoeOptions()
 
 
 def parse_size(text: str) -> int:

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from . import calib, export, integrity, modelcard, serve_config, source
-from .arch import Arch, arch_for
+from .arch import Arch, arch_for, checkpoint_name
+from .experts import split_experts
 from .capture import run_shared
 from .device import configure_allocator
 from .checkpoint import Checkpointer, fingerprint
@@ -197,6 +198,7 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool, runlog: RunL
     with timings.stage("load"):
         storage_dtype = compute_dtype if device.type == "cpu" else dtype
         model = source.load_model(pf.src, storage_dtype, first.trust_remote_code)
+        split_experts(model, pf.arch)  # one linear per expert: what vLLM reads (no-op for dense models)
         tied = tied_embeddings(model)
     jobs = [Job(r, pf.arch, set(p.convert), dtype, runlog=runlog) for r, p in zip(recipes, pf.plans)]
     # once per run: git status is a subprocess
@@ -292,6 +294,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
     packed, qcfg = pack_all(job.results, recipe, list(the_plan.skipped), run.dtype, run.device)
     drop = {"lm_head.weight"} if run.tied else set()
     tensors = export.build_state_dict(model, packed, run.dtype, drop, job.overrides)
+    tensors = {checkpoint_name(job.arch, k): t for k, t in tensors.items()}  # the names vLLM reads
     export.check_finite(tensors, f"the checkpoint {run.src.path}")
 
     def fill(tmp: Path) -> dict:
