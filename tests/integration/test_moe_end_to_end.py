@@ -5,6 +5,7 @@ transformers' fused experts on the same dequantized weights."""
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 import torch
@@ -12,9 +13,11 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from eval.artifact import empty_model, load_dequantized
-from quantize import awq, runner
-from quantize.arch import arch_for, checkpoint_name, get_module
-from quantize.engine import norm_consumers
+from quantize import awq, gptq, runner
+from quantize.arch import all_linears, arch_for, checkpoint_name, get_module
+from quantize.capture import LayerData, first_layer_inputs
+from quantize.engine import Job, expert_tokens, norm_consumers
+from quantize.recipe import load_recipe
 from quantize.experts import ExpertList, split_experts
 from tests.conftest import build_tiny_model, heldout_ids, kl_divergence, tiny_recipe
 
@@ -133,3 +136,91 @@ def test_awq_norm_scale_folds_exactly_in_float64(moe_models, kind):
     assert (after - before).abs().max() < 1e-5
     before, unscaled_router = _scaled_logits(moe_models[kind], ids, leave_out="mlp.gate")
     assert (unscaled_router - before).abs().max() > 1e-2  # the check sees a consumer left out
+
+
+def test_expert_tokens_rule():
+    top_k = torch.tensor([[0, 1], [1, 2], [0, 1], [1, 0]])  # [T=4, k=2]: expert 3 gets nothing, 2 gets one token
+    counts, rows = expert_tokens(top_k, 4, min_tokens=2)
+    assert counts == [3, 4, 1, 0]
+    assert rows[0].tolist() == [0, 2, 3] and rows[1].tolist() == [0, 1, 2, 3]
+    assert rows[2] is None and rows[3] is None  # below the threshold: every token
+    _, rows = expert_tokens(top_k, 4, min_tokens=0)
+    assert rows[2].tolist() == [1] and rows[3] is None  # an expert with no token is never left without inputs
+
+
+class _NeverPicks(torch.nn.Module):
+    """A top-k router that never sends a token to expert `never` (its logit is -inf)."""
+
+    def __init__(self, router: torch.nn.Module, never: int):
+        super().__init__()
+        self.weight, self.top_k, self.never = router.weight, router.top_k, never
+
+    def forward(self, x):
+        logits = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), self.weight)  # [T, E]
+        logits[:, self.never] = float("-inf")
+        weights, index = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        return logits, weights / weights.sum(-1, keepdim=True), index
+
+
+def test_an_expert_the_router_never_picks_is_calibrated_on_every_token(moe_models, tmp_path):
+    """GPTQ on an expert with no routed token would write zeros; the min-token rule calibrates it on every token."""
+    src = moe_models["qwen3_moe"]
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    arch = arch_for(model.config)
+    split_experts(model, arch)
+    layer = model.model.layers[0]
+    layer.mlp.gate = _NeverPicks(layer.mlp.gate, never=3)
+    recipe = load_recipe(tiny_recipe(tmp_path, src, name="starved", method="gptq", zero_point=False))
+    samples = heldout_ids(src, n=4, seq=64)
+    inputs, kwargs = first_layer_inputs(model, arch, samples, torch.device("cpu"), torch.float32, 4)
+    convert = {f"model.layers.0.{n}" for n in all_linears(arch, model.config)}
+    fp = {n: layer.get_submodule(n).weight.detach().clone() for n in ("mlp.experts.0.up_proj", "mlp.experts.3.up_proj",
+                                                                       "mlp.experts.3.down_proj")}
+    job = Job(recipe, arch, convert, torch.float16)
+    job.process(LayerData(0, layer, inputs, kwargs[0]))
+    rec = job.stats[0]["experts"]
+    assert rec["routed_tokens"][3] == 0 and 3 in rec["calibrated_on_all_tokens"]
+    for name, w in fp.items():
+        q = layer.get_submodule(name).weight  # the dequantized result
+        assert f"model.layers.0.{name}" in job.results
+        assert ((q - w).norm() / w.norm()) < 0.2, name  # 4-bit rounding, not zeros
+
+
+class _Peak:
+    """Peak bytes of the tracked tensors (Hessians, Gram matrices) alive at once."""
+
+    def __init__(self):
+        self.alive, self.peak = weakref.WeakSet(), 0
+
+    def track(self, t: torch.Tensor) -> torch.Tensor:
+        self.alive.add(t)
+        self.peak = max(self.peak, sum(x.numel() * x.element_size() for x in self.alive))
+        return t
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_64_experts_hold_one_experts_statistics_at_a_time(tmp_path, monkeypatch, method):
+    """64 experts: the Hessians / Gram matrices alive at once stay those of about one expert, not 64."""
+    hidden = 64
+    src = build_tiny_model(tmp_path / "m", "qwen3_moe", hidden=hidden, intermediate=128, layers=1, heads=2,
+                           kv_heads=1, extra={"num_experts": 64, "moe_intermediate_size": 64, "head_dim": 32})
+    peak = _Peak()
+
+    class Tracked(gptq.HessianAccumulator):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            peak.track(self._H)
+
+    grams = awq.group_gram
+    monkeypatch.setattr(gptq, "HessianAccumulator", Tracked)
+    monkeypatch.setattr(awq, "group_gram", lambda *a, **k: peak.track(grams(*a, **k)))
+    over = dict(awq=dict(n_grid=4, clip_grid=4, rounding="gptq")) if method == "awq" else dict(zero_point=False)
+    out = runner.run(tiny_recipe(tmp_path, src, name=f"e64-{method}", method=method, q_group_size=32,
+                                 calibration=CALIB, compute_dtype="float32", moe=dict(min_expert_tokens=1), **over),
+                     out_root=tmp_path / "a")
+    rec = json.loads((out / "manifest.json").read_text())[f"{method}_stats"]["0"]["experts"]
+    assert len(rec["routed_tokens"]) == 64 and rec["calibrated_on_all_tokens"] == \
+        [e for e, c in enumerate(rec["routed_tokens"]) if c == 0]
+    one_expert = hidden * hidden * 4  # one float32 [H, H] Hessian (gate/up); down's is the same size here
+    # all experts' at once would be 64 of them; the dense attention's two stages overlap by one
+    assert 0 < peak.peak <= 3 * one_expert, peak.peak / one_expert
