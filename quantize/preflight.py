@@ -25,6 +25,20 @@ from .recipe import Recipe
 TP_SIZES = (1, 2, 4, 8)
 # vLLM's CPU build (CPUWNA16) serves uint4 / uint4b8 only: 8-bit artifacts need a CUDA vLLM (checked 0.32).
 CPU_KERNEL = {4: "cpu_wna16", 8: "none: the CPU build serves 4-bit only (CUDA Marlin serves 8-bit)"}
+# Routed experts run in vLLM's fused MoE: its CPU build has a 4-bit path only on x86 with AMX tiles (checked
+# 0.32: elsewhere start-up fails with "No WNA16 MoE backend supports the deployment configuration").
+ROUTER_KEPT = "router: vLLM builds it unquantized"
+CPU_MOE_KERNEL = "cpu_int4_moe (needs AMX)"
+CPU_MOE_REFUSED = ("vLLM's CPU build refuses 4-bit mixture-of-experts layers on a CPU without AMX ('No WNA16 MoE "
+                   "backend supports the deployment configuration'), as this one is: serve the artifact on a CUDA "
+                   "host or an AMX CPU (Intel Sapphire Rapids or later)")
+
+
+def cpu_moe_refusal(plan: "Plan") -> str | None:
+    """Why vLLM's CPU build on this host cannot serve the plan's 4-bit experts, or None."""
+    if not any(lc.cpu_kernel == CPU_MOE_KERNEL for lc in plan.layers) or torch.cpu._is_amx_tile_supported():
+        return None
+    return CPU_MOE_REFUSED
 
 
 class PreflightError(ValueError):
@@ -74,9 +88,12 @@ class Plan:
         lines = [head, "-" * len(head)]
         for (local, i, o, ck, cpu, note), n in rows.items():
             lines.append(f"{local:22s} {i:6d} {o:6d} {n:6d}  {ck:32s} {cpu}" + (f"  ({note})" if note else ""))
+        routers = [n for n, why in self.skipped.items() if why == ROUTER_KEPT]
         for name, why in self.skipped.items():
-            if why != "modules_to_not_convert":
+            if why not in ("modules_to_not_convert", ROUTER_KEPT):
                 lines.append(f"{name}: stays 16-bit: {why}")
+        if routers:
+            lines.append(f"{len(routers)} MoE routers / shared-expert gates stay 16-bit (vLLM builds them unquantized)")
         if self.tied_embeddings:
             lines.append("lm_head: tied to the input embedding: kept tied and 16-bit (lm_head.weight not written)")
         lines.append(f"tensor-parallel sizes at which every layer stays divisible: {self.tp_sizes}")
@@ -110,6 +127,7 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
     fmt, g = formats.get(recipe.out_format), recipe.q_group_size
     out, problems, shapes = Plan(), [], []
     linears, fused_sets, row_parallel = _layer_linears(config, arch)
+    moe_routed = {n for n in linears if arch.experts is not None and n.startswith(f"{arch.experts.module}.")}
     for i, layer in enumerate(decoder_layers(meta, arch)):
         prefix = layer_prefix(arch, i)
         wanted = {n for n in linears if not is_skipped(f"{prefix}.{n}", recipe.modules_to_not_convert)}
@@ -146,10 +164,11 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
                 continue
             kernel, note = fmt.cuda_kernel(in_f, out_f, g, recipe.symmetric)
             out.convert.append(full)
-            out.layers.append(LayerCheck(full, in_f, out_f, kernel, CPU_KERNEL.get(recipe.w_bit, "none"), note))
+            cpu = CPU_MOE_KERNEL if recipe.w_bit == 4 and n in moe_routed else CPU_KERNEL.get(recipe.w_bit, "none")
+            out.layers.append(LayerCheck(full, in_f, out_f, kernel, cpu, note))
             shapes.append((full, in_f, out_f, n in row_parallel))
         for n in arch.experts.unconverted() if arch.experts else ():
-            out.skipped[checkpoint_name(arch, f"{prefix}.{n}")] = "router: vLLM builds it unquantized"
+            out.skipped[checkpoint_name(arch, f"{prefix}.{n}")] = ROUTER_KEPT
     tp_sizes = _tp_sizes(shapes, g)
     problems += serve_problems(config, recipe, tp_sizes)
     if problems:

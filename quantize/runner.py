@@ -24,7 +24,8 @@ from .engine import DTYPES, Job, feature_names, is_skipped, propagation
 from .pack import pack_all
 from .lock import output_lock
 from .paths import check_output_parent, child
-from .preflight import Plan, PreflightError, check_free_disk, human_bytes, pick_device, plan, tied_embeddings
+from .preflight import (ROUTER_KEPT, Plan, PreflightError, check_free_disk, cpu_moe_refusal, human_bytes, pick_device,
+                        plan, tied_embeddings)
 from .recipe import Recipe, load_recipe
 from .runlog import RunLog
 
@@ -150,8 +151,9 @@ def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: 
     c, the_plan = recipe.calibration, pf.plans[0]
     calib_line = (f"calibration: {c.n_samples} x {c.seq_len} tokens from {pf.calib_record['source']}"
                   if pf.calib_record else "calibration: none (rtn)")
+    refused = cpu_moe_refusal(the_plan)
     return f"{recipe.name}: {recipe.method} w{recipe.w_bit} g{recipe.q_group_size} format {recipe.out_format}\n" \
-           f"{the_plan.summary()}\n{the_plan.table()}\n" \
+           f"{the_plan.summary()}\n{the_plan.table()}\n" + (f"vLLM CPU: {refused}\n" if refused else "") + \
            f"output {out}: {human_bytes(pf.free_bytes)} free on its disk\n{calib_line}\n\n{the_plan.to_json()}"
 
 
@@ -249,8 +251,11 @@ def _plan_and_log(recipe: Recipe, config, arch):
              recipe.q_group_size, recipe.symmetric, recipe.out_format)
     log.info("pre-flight: %s\n%s", the_plan.summary(), the_plan.table())
     for name, why in the_plan.skipped.items():
-        if why != "modules_to_not_convert":
+        if why not in ("modules_to_not_convert", ROUTER_KEPT):
             log.warning("pre-flight: %s stays 16-bit: %s", name, why)
+    refused = cpu_moe_refusal(the_plan)
+    if refused:
+        log.warning("pre-flight: %s", refused)
     return the_plan
 
 
