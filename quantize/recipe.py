@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -431,8 +432,10 @@ def _allowed_keys(loc: tuple) -> list[str]:
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
         ann = getattr(field, "annotation", None)
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
+        for option in (ann, *typing.get_args(ann)):  # `X | None` sections (moe) name their keys too
+            if isinstance(option, type) and issubclass(option, BaseModel):
+                model = option
+                break
     return sorted(model.model_fields)
 
 
