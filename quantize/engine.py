@@ -522,7 +522,7 @@ class Job:
             moe = awq_moe if r.method == "awq" else gptq_moe
             self.stats[data.index].update(moe(data, arch, r, self.convert, self.scale_dtype, self.results))
             if self.runlog is not None:
-                self.runlog.stage(data.index, r.name, "experts", seconds=_clock(data.inputs[0].device) - t0)
+                self.runlog.stage(data.index, r.name, "experts", experts=_clock(data.inputs[0].device) - t0)
         prefix = layer_prefix(arch, data.index)
         for name in (f"{prefix}.{n}" for n in _local(arch, data.index, self.convert) + moe_local):
             res = self.results[name]
