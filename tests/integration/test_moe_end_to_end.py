@@ -224,3 +224,18 @@ def test_64_experts_hold_one_experts_statistics_at_a_time(tmp_path, monkeypatch,
     one_expert = hidden * hidden * 4  # one float32 [H, H] Hessian (gate/up); down's is the same size here
     # all experts' at once would be 64 of them; the dense attention's two stages overlap by one
     assert 0 < peak.peak <= 3 * one_expert, peak.peak / one_expert
+
+
+@pytest.mark.parametrize("kind,over", [
+    ("qwen2_moe", dict(method="awq", compute_dtype="bfloat16", dtype="bfloat16")),  # the GPU's compute dtype
+    ("mixtral", dict(method="rtn")),
+])
+def test_bfloat16_compute_and_round_to_nearest(moe_models, tmp_path, kind, over):
+    out = runner.run(tiny_recipe(tmp_path, moe_models[kind], name=f"{kind}-{over['method']}", calibration=CALIB,
+                                 **over), out_root=tmp_path / "a")
+    ours = load_dequantized(out)
+    ids = heldout_ids(moe_models[kind], n=2, seq=48)
+    source = AutoModelForCausalLM.from_pretrained(moe_models[kind], dtype=torch.float32).eval()
+    assert 0 < kl_divergence(source, ours, ids) < 0.2
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["quantized_modules"] == 2 * (4 + 3 * 4 + (3 if kind == "qwen2_moe" else 0))
