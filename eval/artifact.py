@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from quantize import formats
-from quantize.arch import ARCHITECTURES, arch_for, checkpoint_name
+from quantize.arch import ARCHITECTURES, arch_for, attn_implementation, checkpoint_name
 from quantize.experts import split_experts
 from quantize.manifest import ArtifactError
 
@@ -86,7 +86,8 @@ def dequantized_state_dict(path: Path, dtype: torch.dtype = torch.float32) -> tu
 
 def empty_model(config, dtype: torch.dtype, device: torch.device | str):
     """A transformers causal LM of `config` allocated on `device` without running its initializers (every
-    parameter is overwritten next); buffers computed at construction (rotary frequencies) are real."""
+    parameter is overwritten next); buffers computed at construction (rotary frequencies) are real. Its attention
+    is the one the architecture table names (as calibration ran it)."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -95,7 +96,7 @@ def empty_model(config, dtype: torch.dtype, device: torch.device | str):
         from transformers.modeling_utils import no_init_weights
 
     with torch.device(device), no_init_weights():
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation(config))
 
 
 def load_dequantized(path: Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):

@@ -4,6 +4,14 @@ Each supported `config.architectures[0]` maps to a table that names the decoder-
 inside a decoder layer, the AWQ scaling groups (which op feeds which linears, and which module's output
 the search measures), and the linears vLLM fuses (they must be converted all-or-none).
 Adding a model = one entry here + a tiny-config test.
+
+What differs between families, as fields: the norm kind (`norm_offset`: x̂·w or x̂·(1 + w)); which norm feeds
+which linears (`ScaleGroup.prev`; "" where nothing foldable precedes them, as in OLMo 2, whose norms sit after
+the attention and the MLP); fused projections whose output rows are equal slices (`ScaleGroup.prev_parts`: Phi-3's
+gate_up_proj feeds down_proj from its `up` half only); the attention implementation calibration and our reader
+run (`attn_implementation`: Gemma 2's softcapping exists only in transformers' eager attention); modules that are
+never converted (`unquantized`). Per-layer inputs (masks, rotary tables, sliding windows) need no field: the
+capture loop records what the stack hands each layer (capture.first_layer_inputs).
 """
 
 from __future__ import annotations
@@ -22,6 +30,9 @@ class ScaleGroup:
     inspect: str  # module whose output the loss is measured on ("" = the single linear itself)
     inspect_takes_layer_kwargs: bool = False  # attention needs position embeddings / mask
     only_if_square: bool = False  # v_proj -> o_proj only when shapes allow (not with grouped-query attention)
+    # prev's output rows are this many equal slices (a fused projection) and `linears` read the last one: 1/s
+    # folds into those rows only (Phi-3: gate_up_proj -> down_proj reads `up`, qkv_proj -> o_proj reads `v`)
+    prev_parts: int = 1
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,9 @@ class Arch:
     sequential: tuple[tuple[str, ...], ...]  # GPTQ true-sequential stages, in execution order
     row_parallel: tuple[str, ...]  # linears whose *input* dimension tensor parallelism splits
     norm_offset: float = 0.0  # the norms compute x̂ · (offset + weight): Gemma's RMSNorm stores weight - 1
+    attn_implementation: str = "sdpa"  # transformers' attention for calibration and for reading artifacts back
+    unquantized: tuple[str, ...] = ()  # modules of a decoder layer never converted (kept 16-bit whatever the recipe)
+    serve_dtypes: tuple[str, ...] = ("float16", "bfloat16")  # the 16-bit dtypes vLLM serves the model in
     experts: "Experts | None" = None  # the MLP is a sparse mixture of experts (see `Experts`)
 
 
@@ -124,6 +138,41 @@ _GEMMA3 = replace(
     scale_groups=tuple(replace(g, prev="pre_feedforward_layernorm") if g.prev == "post_attention_layernorm" else g
                        for g in _LLAMA_LIKE.scale_groups),
     norm_offset=1.0,
+    serve_dtypes=("bfloat16",),  # vLLM refuses Gemma in float16 (its activations overflow there)
+)
+
+# Gemma 2: Gemma 3's layout without q_norm/k_norm; its attention logits are soft-capped, which transformers
+# computes only in its eager attention (sdpa would calibrate, and read back, a different function than vLLM serves).
+_GEMMA2 = replace(_GEMMA3, attn_implementation="eager")
+
+# Phi-3 (and Phi-4-mini): q/k/v and gate/up are single fused linears, read by vLLM under these names. The v slice
+# of qkv_proj feeds o_proj only with as many key/value heads as query heads (equal slices); otherwise the group
+# is dropped, as v -> o is for grouped-query attention in Llama.
+_PHI3 = Arch(
+    layers="model.layers",
+    embed="model.embed_tokens",
+    rotary="model.rotary_emb",
+    linears=("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"),
+    scale_groups=(
+        ScaleGroup(prev="input_layernorm", linears=("self_attn.qkv_proj",), inspect="self_attn",
+                   inspect_takes_layer_kwargs=True),
+        ScaleGroup(prev="self_attn.qkv_proj", linears=("self_attn.o_proj",), inspect="", prev_parts=3),
+        ScaleGroup(prev="post_attention_layernorm", linears=("mlp.gate_up_proj",), inspect="mlp"),
+        ScaleGroup(prev="mlp.gate_up_proj", linears=("mlp.down_proj",), inspect="", prev_parts=2),
+    ),
+    fused=(),  # already one module each
+    no_clip=("self_attn.qkv_proj",),
+    sequential=(("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)),
+    row_parallel=("self_attn.o_proj", "mlp.down_proj"),
+)
+
+# OLMo 2: no norm before the attention or the MLP (post_attention_layernorm and post_feedforward_layernorm norm
+# their outputs before the residual add), so the residual stream itself feeds q/k/v and gate/up: nothing can take
+# 1/s, and those groups only say which linears share an input. q_norm/k_norm run over the whole q/k projection;
+# v and up feed o_proj and down_proj directly, so those two groups stay.
+_OLMO2 = replace(
+    _LLAMA_LIKE,
+    scale_groups=tuple(replace(g, prev="") if g.prev.endswith("layernorm") else g for g in _LLAMA_LIKE.scale_groups),
 )
 
 # Mixture-of-experts models: the table lists the attention; the MLP is described by `Experts`. The checkpoints
@@ -147,6 +196,8 @@ _QWEN2_MOE = replace(_ATTENTION_ONLY, experts=replace(
     _QWEN3_MOE.experts, shared="mlp.shared_expert", shared_gate="mlp.shared_expert_gate"))
 
 # Qwen3 adds q_norm/k_norm after q_proj/k_proj (per head): AWQ's input-side scaling is unaffected.
+# Granite is Llama with constant multipliers (embedding, residual, attention, logits): none sits between a
+# scaled linear and what feeds it.
 ARCHITECTURES: dict[str, Arch] = {
     "LlamaForCausalLM": _LLAMA_LIKE,
     "MistralForCausalLM": _LLAMA_LIKE,
@@ -156,6 +207,10 @@ ARCHITECTURES: dict[str, Arch] = {
     "MixtralForCausalLM": _MIXTRAL,
     "Qwen2MoeForCausalLM": _QWEN2_MOE,
     "Qwen3MoeForCausalLM": _QWEN3_MOE,
+    "Gemma2ForCausalLM": _GEMMA2,
+    "Phi3ForCausalLM": _PHI3,
+    "GraniteForCausalLM": _LLAMA_LIKE,
+    "Olmo2ForCausalLM": _OLMO2,
 }
 
 
@@ -166,6 +221,8 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",  # the text model: transformers converts a gemma3 GGUF to Gemma3ForCausalLM
+    "gemma2": "Gemma2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
@@ -211,14 +268,17 @@ def layer_prefix(arch: Arch, index: int) -> str:
 
 
 def active_scale_groups(layer: nn.Module, arch: Arch) -> list[ScaleGroup]:
-    """The scale groups that apply to this layer (drops v->o under grouped-query attention)."""
+    """The scale groups whose scales can be folded in this layer: drops groups with no `prev` and v->o under
+    grouped-query attention (the v slice is not the rows o_proj reads)."""
     groups = []
     for g in arch.scale_groups:
-        if g.only_if_square:
-            prev = get_module(layer, g.prev)
-            nxt = get_module(layer, g.linears[0])
-            if prev.weight.shape != nxt.weight.shape:
-                continue
+        if not g.prev:
+            continue
+        prev, nxt = get_module(layer, g.prev), get_module(layer, g.linears[0])
+        if g.only_if_square and prev.weight.shape != nxt.weight.shape:
+            continue
+        if isinstance(prev, nn.Linear) and prev.out_features != g.prev_parts * nxt.in_features:
+            continue
         groups.append(g)
     return groups
 
@@ -258,3 +318,9 @@ def checkpoint_name(arch: Arch, name: str) -> str:
     for ours, theirs in arch.experts.renames:
         name = name.replace(ours, theirs)
     return name
+
+
+def attn_implementation(config) -> str:
+    """The attention implementation transformers should run this config's model with (sdpa where unknown)."""
+    names = list(getattr(config, "architectures", None) or [])
+    return next((ARCHITECTURES[n].attn_implementation for n in names if n in ARCHITECTURES), "sdpa")

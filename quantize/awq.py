@@ -189,20 +189,22 @@ def search_scales(
 
 
 def apply_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor, norm_offset: float = 0.0) -> None:
-    """Fold s into the model: prev's output / s (norm weight or linear rows), each linear's input columns · s.
+    """Fold s [in] into the model: prev's output / s (norm weight or linear rows), each linear's input columns · s.
 
     A norm computes x̂ · (norm_offset + weight) (+ bias): its weight becomes (norm_offset + weight) / s - norm_offset,
-    computed in fp32.
+    computed in fp32 (float64 for a float64 model). A linear prev with more output rows than s (a fused projection: [gate; up] feeding down)
+    has its last len(s) rows divided, the slice the linears read.
     """
     s = s.to(prev.weight.device)
     with torch.no_grad():
         if isinstance(prev, nn.Linear):
-            prev.weight.div_(s.view(-1, 1).to(prev.weight.dtype))  # [out_prev, in_prev] rows
+            prev.weight[-s.numel():].div_(s.view(-1, 1).to(prev.weight.dtype))  # [len(s), in_prev] rows
         else:  # a norm: y = norm(x) * (offset + weight) (+ bias)
-            w = (prev.weight.float() + norm_offset) / s.float() - norm_offset
+            wide = torch.promote_types(prev.weight.dtype, torch.float32)  # fp32, or a float64 model's own
+            w = (prev.weight.to(wide) + norm_offset) / s.to(wide) - norm_offset
             prev.weight.copy_(w.to(prev.weight.dtype))
         if getattr(prev, "bias", None) is not None:
-            prev.bias.div_(s.to(prev.bias.dtype))
+            prev.bias[-s.numel():].div_(s.to(prev.bias.dtype))
         for fc in linears:
             fc.weight.mul_(s.view(1, -1).to(fc.weight.dtype))
 

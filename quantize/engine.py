@@ -244,27 +244,12 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
     Stats: per scale group (keyed by its `prev`) the chosen ratio, its loss, the RTN loss (α = 0), how many
     ratios were evaluated and the seconds taken; under "seconds" the time of each sub-stage (also into runlog).
     """
-    layer, opts, spec = data.layer, recipe.awq, _spec(recipe)
+    opts, spec = recipe.awq, _spec(recipe)
     device = data.inputs[0].device
     local = set(_local(arch, data.index, convert))
-    chosen_batches = search_batches([t.shape[0] * t.shape[1] for t in data.inputs], opts.search_tokens,
-                                    recipe.calibration.seed + data.index)
-    stats: dict = {}
-    chosen = []
     t0 = _clock(device)
-    for g in active_scale_groups(layer, arch):
-        quantized = [n in local for n in g.linears]
-        if not any(quantized):
-            continue
-        t = _clock(device)
-        r = _search_group(data, g, quantized, chosen_batches, recipe, spec)
-        stats[g.prev] = {"best_ratio": r.ratio, "loss": r.losses[r.ratio], "loss_rtn": r.losses[0.0],
-                         "n_evaluated": len(r.losses), "seconds": round(_clock(device) - t, 4)}
-        chosen.append((g, r.scales))
-    for g, s in chosen:  # apply after searching, as all searches assume the unmodified layer
-        awq.apply_scales(layer.get_submodule(g.prev), [layer.get_submodule(n) for n in g.linears], s,
-                         arch.norm_offset)
-        data.features[g.linears[0]].div_(s.to(data.features[g.linears[0]].dtype))
+    chosen, stats = search_layer_scales(data, arch, recipe, local)
+    fold_scales(data, arch, chosen)
     t1 = _clock(device)
     grams: dict[str, torch.Tensor] = {}
     ranges = _clip_layer(data, arch, local, opts, spec, grams) if opts.apply_clip else {}
@@ -414,6 +399,38 @@ def gptq_moe(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype
             dead += r.dead_columns
     return {"experts": {**record, "loss": float(torch.stack(losses).sum()) if losses else 0.0,
                         "dead_columns": dead}}
+
+
+def search_layer_scales(data: LayerData, arch: Arch, recipe, local: set[str]) -> tuple[list, dict]:
+    """AWQ scale search for every foldable group of data.layer with a converted linear, all on the unmodified
+    layer -> ([(group, scales [in])], stats per group keyed by its `prev`). Nothing is changed."""
+    spec = _spec(recipe)
+    device = data.inputs[0].device
+    chosen_batches = search_batches([t.shape[0] * t.shape[1] for t in data.inputs], recipe.awq.search_tokens,
+                                    recipe.calibration.seed + data.index)
+    stats: dict = {}
+    chosen = []
+    for g in active_scale_groups(data.layer, arch):
+        quantized = [n in local for n in g.linears]
+        if not any(quantized):
+            continue
+        t = _clock(device)
+        r = _search_group(data, g, quantized, chosen_batches, recipe, spec)
+        stats[g.prev] = {"best_ratio": r.ratio, "loss": r.losses[r.ratio], "loss_rtn": r.losses[0.0],
+                         "n_evaluated": len(r.losses), "seconds": round(_clock(device) - t, 4)}
+        chosen.append((g, r.scales))
+    return chosen, stats
+
+
+def fold_scales(data: LayerData, arch: Arch, chosen: list) -> None:
+    """Fold each group's scales into data.layer (prev / s, linears · s) and its captured input (/ s): the layer
+    computes the same function, its linears now hold the scaled weights AWQ quantizes."""
+    layer = data.layer
+    for g, s in chosen:
+        awq.apply_scales(layer.get_submodule(g.prev), [layer.get_submodule(n) for n in g.linears], s,
+                         arch.norm_offset)
+        if g.linears[0] in data.features:
+            data.features[g.linears[0]].div_(s.to(data.features[g.linears[0]].dtype))
 
 
 def gptq_spec(recipe, scale_dtype: torch.dtype) -> gptq.GptqSpec:

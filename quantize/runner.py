@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import calib, export, integrity, modelcard, serve_config, source
-from .arch import Arch, arch_for, checkpoint_name
+from .arch import Arch, UnsupportedArchitecture, arch_for, checkpoint_name
 from .experts import split_experts
 from .capture import run_shared
 from .device import configure_allocator
@@ -25,7 +25,7 @@ from .pack import pack_all
 from .lock import output_lock
 from .paths import check_output_parent, child
 from .preflight import (ROUTER_KEPT, Plan, PreflightError, check_free_disk, cpu_moe_refusal, human_bytes, pick_device,
-                        plan, tied_embeddings)
+                        plan, table_lacks, tied_embeddings)
 from .recipe import Recipe, load_recipe
 from .runlog import RunLog
 
@@ -111,7 +111,11 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
         src = source.resolve(first.model)
         config = source.read_config(src, first.trust_remote_code)
         source.check_weights(src)
-        arch = arch_for(config)
+        try:
+            arch = arch_for(config)
+        except UnsupportedArchitecture as e:
+            raise UnsupportedArchitecture(f"{e}; to add it, the table in quantize/arch.py needs: "
+                                          f"{table_lacks(config, first.trust_remote_code)}") from None
         integrity.check_tensors(src, config, arch, first.trust_remote_code)
         if not any(r.method in ("awq", "gptq") for r in recipes):  # calibration loads it otherwise
             source.load_tokenizer(src, first.trust_remote_code)  # an artifact without a usable tokenizer is refused

@@ -23,7 +23,7 @@ import torch
 
 from safetensors import SafetensorError, safe_open
 
-from .arch import check_gguf_architecture
+from .arch import attn_implementation, check_gguf_architecture
 from .calib import hub_offline
 from .files import sha256_file
 
@@ -259,16 +259,19 @@ def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool 
                device: torch.device | str = "cpu"):
     """The model on `device` in `dtype`, from safetensors only (pickle checkpoints are refused).
 
-    Weights go from the files straight to the device: no host copy of the model beyond the page cache."""
-    from transformers import AutoModelForCausalLM
+    Weights go from the files straight to the device: no host copy of the model beyond the page cache.
+    The attention implementation is the architecture table's (eager where only eager computes the model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if not list(source.path.glob("*.safetensors")):
         check_weights(source)  # raises, saying why (pre-flight has already warned about ignored pickles)
+    config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         source.path,
+        config=config,
         dtype=dtype,
         device_map=str(device),
-        attn_implementation="sdpa",
+        attn_implementation=attn_implementation(config),
         use_safetensors=True,
         trust_remote_code=trust_remote_code,
     )

@@ -338,7 +338,7 @@ def test_unsupported_gguf_refused_from_its_header(tiny_llama, tmp_path, monkeypa
     import time
 
     from quantize import source
-    from quantize.arch import UnsupportedArchitecture
+    from quantize.arch import GGUF_ARCHITECTURES, UnsupportedArchitecture
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(cache))
@@ -352,7 +352,7 @@ def test_unsupported_gguf_refused_from_its_header(tiny_llama, tmp_path, monkeypa
     recipe = tiny_recipe(tmp_path, f, name="gg", method="rtn")
     rc, msg = _cli(capsys, "preflight", recipe, "--out", tmp_path / "a")
     assert rc == 2 and msg == (f"error: model '{f}': GGUF architecture 'gpt2' (general.architecture) is not "
-                               f"supported; supported: gemma3, llama, mistral, qwen2, qwen3")
+                               f"supported; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
     assert not cache.exists() and not (tmp_path / "a").exists()
 
 

@@ -252,7 +252,8 @@ def test_gemma3_awq_closer_to_source_than_rtn(tmp_path):
     d = build_tiny_model(tmp_path / "g", "gemma3", layers=2)
     ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     ids = heldout_ids(d)
-    outs = {m: runner.run(tiny_recipe(tmp_path, d, name=f"tiny-g3-{m}", method=m), out_root=tmp_path / "a")
+    outs = {m: runner.run(tiny_recipe(tmp_path, d, name=f"tiny-g3-{m}", method=m, dtype="bfloat16"),
+                          out_root=tmp_path / "a")
             for m in ("awq", "rtn")}
     kl = {m: _kl(ref, load_dequantized(o), ids) for m, o in outs.items()}
     assert kl["awq"] < kl["rtn"], kl
