@@ -29,6 +29,8 @@ TOKENIZER_DIR = ROOT / "bench" / "assets" / "tokenizer"
 TOKENIZER_VOCAB = 49152  # ids the bundled tokenizer can produce
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": TOKENIZER_VOCAB, "num_hidden_layers": 2, "bos_token_id": 1, "eos_token_id": 2}  # the tokenizer's
+# a mixture of experts shrinks its experts too (8 of moe_intermediate_size 128, top-2)
+TINY_MOE = {"moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2, "head_dim": 64}
 
 
 def copy_tokenizer(out: Path) -> None:
@@ -41,6 +43,8 @@ def shaped_config(config_dir: Path, layers: int | None, tiny: bool):
     """The published config, optionally cut to `layers` decoder layers or shrunk to the tiny shape."""
     cfg = AutoConfig.from_pretrained(config_dir)
     changes = dict(TINY) if tiny else {}
+    if tiny and hasattr(cfg, "moe_intermediate_size"):
+        changes.update(TINY_MOE)
     if layers is not None:
         changes["num_hidden_layers"] = layers
     for key, value in changes.items():
@@ -61,6 +65,8 @@ def build(config_dir: Path, out: Path, layers: int | None, tiny: bool, device: s
             else str(config_dir), "layers": cfg.num_hidden_layers, "tiny": tiny, "seed": seed,
             "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
             "vocab_size": cfg.vocab_size, "dtype": "bfloat16"}
+    if hasattr(cfg, "num_experts"):
+        spec.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size)
     stamp = out / "build.json"
     if stamp.is_file():
         old = json.loads(stamp.read_text())

@@ -16,7 +16,8 @@ import torch
 from safetensors import safe_open
 
 from quantize import formats
-from quantize.arch import attn_implementation
+from quantize.arch import ARCHITECTURES, arch_for, attn_implementation, checkpoint_name
+from quantize.experts import split_experts
 from quantize.manifest import ArtifactError
 
 
@@ -110,7 +111,10 @@ def load_dequantized(path: Path, dtype: torch.dtype = torch.float32, device: tor
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model = empty_model(config, dtype, device)
-    params = model.state_dict()
+    arch = arch_for(config) if any(n in ARCHITECTURES for n in config.architectures or []) else None
+    if arch is not None:  # a MoE artifact holds one linear per expert (Mixtral's under its checkpoint names)
+        split_experts(model, arch)
+    params = {checkpoint_name(arch, n) if arch else n: t for n, t in model.state_dict().items()}
     filled, unexpected, wrong = set(), [], []
     with torch.no_grad():
         for name, t in decoded_tensors(path, device):

@@ -52,6 +52,46 @@ class Arch:
     attn_implementation: str = "sdpa"  # transformers' attention for calibration and for reading artifacts back
     unquantized: tuple[str, ...] = ()  # modules of a decoder layer never converted (kept 16-bit whatever the recipe)
     serve_dtypes: tuple[str, ...] = ("float16", "bfloat16")  # the 16-bit dtypes vLLM serves the model in
+    experts: "Experts | None" = None  # the MLP is a sparse mixture of experts (see `Experts`)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A sparse mixture-of-experts MLP: where its parts live inside a decoder layer and what stays 16-bit.
+
+    transformers 5 stores the routed experts fused (`gate_up` [E, 2I, H], gate rows first, and `down` [E, H, I]
+    parameters of one module); vLLM reads one linear per expert. `experts.split_experts` replaces the fused
+    module by one linear per expert named `<module>.<e>.<gate|up|down>_proj`, which the pass calibrates and the
+    export writes (renamed by `renames` where the checkpoint vLLM reads names them otherwise).
+    The router (and a shared expert's gate) read the norm's output too: AWQ scales them with the experts but
+    they are never converted (vLLM keeps them 16-bit).
+    """
+
+    block: str  # the sparse MoE block ("mlp"); its output is what the norm group's AWQ search measures
+    module: str  # the fused experts module ("mlp.experts")
+    router: str  # the router (weight [E, H]); called on [tokens, H], returns (logits, weights, indices)
+    norm: str  # the norm whose output feeds the router, the experts and a shared expert
+    count_key: str  # config key holding the number of routed experts
+    top_k_key: str = "num_experts_per_tok"
+    shared: str | None = None  # a dense MLP every token goes through (Qwen2-MoE's shared_expert)
+    shared_gate: str | None = None  # its sigmoid gate, a [1, H] linear (kept 16-bit)
+    renames: tuple[tuple[str, str], ...] = ()  # (module-name part, checkpoint-name part) at export
+
+    @property
+    def linears(self) -> tuple[str, ...]:
+        """One expert's linears relative to the expert, in execution order."""
+        return ("gate_proj", "up_proj", "down_proj")
+
+    def expert(self, e: int, linear: str = "") -> str:
+        """'mlp.experts.3' or 'mlp.experts.3.gate_proj' (relative to the decoder layer)."""
+        return f"{self.module}.{e}" + (f".{linear}" if linear else "")
+
+    def shared_linears(self) -> tuple[str, ...]:
+        return tuple(f"{self.shared}.{n}" for n in self.linears) if self.shared else ()
+
+    def unconverted(self) -> tuple[str, ...]:
+        """Modules the norm feeds that stay 16-bit (vLLM builds them unquantized)."""
+        return (self.router,) + ((self.shared_gate,) if self.shared_gate else ())
 
 
 _LLAMA_LIKE = Arch(
@@ -135,6 +175,26 @@ _OLMO2 = replace(
     scale_groups=tuple(replace(g, prev="") if g.prev.endswith("layernorm") else g for g in _LLAMA_LIKE.scale_groups),
 )
 
+# Mixture-of-experts models: the table lists the attention; the MLP is described by `Experts`. The checkpoints
+# vLLM reads name Mixtral's experts `block_sparse_moe.experts.<e>.w1/w3/w2` (transformers 5 renames them on load).
+_ATTENTION_ONLY = replace(
+    _LLAMA_LIKE,
+    linears=_LLAMA_LIKE.linears[:4],
+    scale_groups=_LLAMA_LIKE.scale_groups[:2],
+    fused=_LLAMA_LIKE.fused[:1],
+    sequential=_LLAMA_LIKE.sequential[:2],
+    row_parallel=("self_attn.o_proj",),
+)
+_MIXTRAL = replace(_ATTENTION_ONLY, experts=Experts(
+    block="mlp", module="mlp.experts", router="mlp.gate", norm="post_attention_layernorm",
+    count_key="num_local_experts",
+    renames=((".mlp.", ".block_sparse_moe."), (".gate_proj.", ".w1."), (".up_proj.", ".w3."),
+             (".down_proj.", ".w2."))))
+_QWEN3_MOE = replace(_ATTENTION_ONLY, experts=Experts(
+    block="mlp", module="mlp.experts", router="mlp.gate", norm="post_attention_layernorm", count_key="num_experts"))
+_QWEN2_MOE = replace(_ATTENTION_ONLY, experts=replace(
+    _QWEN3_MOE.experts, shared="mlp.shared_expert", shared_gate="mlp.shared_expert_gate"))
+
 # Qwen3 adds q_norm/k_norm after q_proj/k_proj (per head): AWQ's input-side scaling is unaffected.
 # Granite is Llama with constant multipliers (embedding, residual, attention, logits): none sits between a
 # scaled linear and what feeds it.
@@ -144,6 +204,9 @@ ARCHITECTURES: dict[str, Arch] = {
     "Qwen2ForCausalLM": _LLAMA_LIKE,
     "Qwen3ForCausalLM": _LLAMA_LIKE,
     "Gemma3ForCausalLM": _GEMMA3,
+    "MixtralForCausalLM": _MIXTRAL,
+    "Qwen2MoeForCausalLM": _QWEN2_MOE,
+    "Qwen3MoeForCausalLM": _QWEN3_MOE,
     "Gemma2ForCausalLM": _GEMMA2,
     "Phi3ForCausalLM": _PHI3,
     "GraniteForCausalLM": _LLAMA_LIKE,
@@ -181,7 +244,10 @@ def arch_for(config) -> Arch:
     names = list(getattr(config, "architectures", None) or [])
     for name in names:
         if name in ARCHITECTURES:
-            return ARCHITECTURES[name]
+            arch = ARCHITECTURES[name]
+            if arch.experts is not None:
+                _check_every_layer_sparse(config, name)
+            return arch
     raise UnsupportedArchitecture(
         f"architecture {names or '(none in config.json)'} is not supported; "
         f"supported: {', '.join(sorted(ARCHITECTURES))}"
@@ -215,6 +281,43 @@ def active_scale_groups(layer: nn.Module, arch: Arch) -> list[ScaleGroup]:
             continue
         groups.append(g)
     return groups
+
+
+def _check_every_layer_sparse(config, name: str) -> None:
+    """Qwen-MoE configs may make some layers dense (mlp_only_layers, decoder_sparse_step): not supported yet."""
+    dense = list(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    if dense or step != 1:
+        raise UnsupportedArchitecture(
+            f"{name}: a mix of dense and sparse layers (mlp_only_layers {dense}, decoder_sparse_step {step}) is "
+            f"not supported; only models whose every layer is a mixture of experts are (quantize/arch.py)")
+
+
+def expert_count(arch: Arch, config) -> int:
+    return int(getattr(config, arch.experts.count_key)) if arch.experts else 0
+
+
+def expert_linears(arch: Arch, config) -> list[str]:
+    """Every linear of a decoder layer's MoE block (relative to the layer): the shared expert's, then each
+    routed expert's gate/up/down; [] for a dense model."""
+    if arch.experts is None:
+        return []
+    x = arch.experts
+    return [*x.shared_linears(), *(x.expert(e, n) for e in range(expert_count(arch, config)) for n in x.linears)]
+
+
+def all_linears(arch: Arch, config) -> list[str]:
+    """Every quantizable linear of a decoder layer (relative to it), in execution order."""
+    return [*arch.linears, *expert_linears(arch, config)]
+
+
+def checkpoint_name(arch: Arch, name: str) -> str:
+    """A tensor's name in the model -> its name in the checkpoint vLLM reads (Mixtral's experts are renamed)."""
+    if arch.experts is None or not arch.experts.renames or f".{arch.experts.block}." not in f".{name}":
+        return name
+    for ours, theirs in arch.experts.renames:
+        name = name.replace(ours, theirs)
+    return name
 
 
 def attn_implementation(config) -> str:

@@ -17,8 +17,9 @@ import torch
 import torch.nn as nn
 
 from . import awq, gptq
-from .arch import Arch, active_scale_groups, layer_prefix
+from .arch import Arch, ScaleGroup, active_scale_groups, get_module, layer_prefix
 from .capture import LayerData, NumericalError, feed_inputs
+from .experts import routed_tokens
 from .device import clock as _clock
 from .device import gptq_sweep, side_stream
 from .distributed import Dist
@@ -49,6 +50,22 @@ def _local(arch: Arch, index: int, convert: set[str]) -> list[str]:
     """Linears of layer `index` (names relative to the layer) that the plan converts, in execution order."""
     prefix = layer_prefix(arch, index)
     return [n for n in arch.linears if f"{prefix}.{n}" in convert]
+
+
+def _units(layer: nn.Module, arch: Arch) -> list[tuple[str, int | None]]:
+    """A MoE layer's MLPs: (path, routed expert index), the shared expert (index None) first."""
+    x = arch.experts
+    routed = [(x.expert(e), e) for e in range(len(get_module(layer, x.module)))]
+    return ([(x.shared, None)] if x.shared else []) + routed
+
+
+def _moe_local(layer: nn.Module, arch: Arch, index: int, convert: set[str]) -> list[str]:
+    """The MoE block's linears of layer `index` that the plan converts, in execution order ([] for dense)."""
+    if arch.experts is None:
+        return []
+    prefix = layer_prefix(arch, index)
+    names = [f"{path}.{n}" for path, _ in _units(layer, arch) for n in arch.experts.linears]
+    return [n for n in names if f"{prefix}.{n}" in convert]
 
 
 def _feature_of(arch: Arch) -> dict[str, str]:
@@ -320,6 +337,143 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
     return stats
 
 
+def _hidden(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An expert MLP's down_proj input: x [n, H] -> act(gate(x)) · up(x) [n, I]."""
+    return mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+
+
+def expert_tokens(top_k_index: torch.Tensor, n_experts: int, min_tokens: int):
+    """top_k_index [T, k] -> (routed token count per expert, rows per expert: its routed tokens [n_e], or None
+    where it got fewer than max(min_tokens, 1): that expert is calibrated on every token (the recipe's
+    moe.min_expert_tokens rule; never on none, which would leave GPTQ nothing but zeros to write))."""
+    counts = torch.bincount(top_k_index.flatten(), minlength=n_experts).tolist()
+    rows = [None if c < max(min_tokens, 1) else routed_tokens(top_k_index, e) for e, c in enumerate(counts)]
+    return counts, rows
+
+
+def _routing(layer: nn.Module, arch: Arch, x: torch.Tensor, recipe) -> tuple[list[int], list, dict]:
+    """The router's choice for the MoE block's input x [T, H] -> (counts, rows as `expert_tokens`, record)."""
+    with torch.no_grad():
+        top_k_index = get_module(layer, arch.experts.router)(x)[2]  # (logits, weights, indices [T, k])
+    n = len(get_module(layer, arch.experts.module))
+    m = recipe.moe_options.min_expert_tokens
+    counts, rows = expert_tokens(top_k_index, n, m)
+    record = {"tokens": int(x.shape[0]), "routed_tokens": counts, "min_expert_tokens": m,
+              "calibrated_on_all_tokens": [e for e, r in enumerate(rows) if r is None]}
+    return counts, rows, record
+
+
+def norm_consumers(layer: nn.Module, arch: Arch) -> list[str]:
+    """Every module a MoE block's norm feeds, so an AWQ scale folded into the norm is folded into each: the
+    gate/up of the shared and the routed experts, then the router and the shared-expert gate (kept 16-bit)."""
+    fed = [f"{path}.{n}" for path, _ in _units(layer, arch) for n in ("gate_proj", "up_proj")]
+    return fed + list(arch.experts.unconverted())
+
+
+def _unit_inputs(x: torch.Tensor, rows: list, e: int | None) -> torch.Tensor:
+    """The calibration inputs of one MLP: the shared expert and under-fed experts see every token."""
+    return x if e is None or rows[e] is None else x[rows[e]]  # [n_e, H]
+
+
+def awq_moe(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype: torch.dtype,
+            results: dict[str, QuantResult]) -> dict:
+    """AWQ for a MoE block: one scale for its norm (searched on the block's output, every expert it feeds
+    fake-quantized, the router and shared-expert gate scaled but kept 16-bit), then each MLP in turn on its own
+    tokens: the up -> down scale, clips and rounding. Only one expert's inputs are held at a time -> stats."""
+    layer, opts, spec, x_ = data.layer, recipe.awq, _spec(recipe), arch.experts
+    local = set(_moe_local(layer, arch, data.index, convert))
+    if not local:
+        return {}
+    x = data.features[x_.router]  # [T, H] the block's input on every token
+    _, rows, record = _routing(layer, arch, x, recipe)
+    stats: dict = {"experts": record}
+    consumers = norm_consumers(layer, arch)  # every one is scaled, converted or not, so the block is unchanged
+    fed = [n for n in consumers if n not in x_.unconverted()]
+    if any(n in local for n in fed):
+        chosen = search_batches([t.shape[0] * t.shape[1] for t in data.inputs], opts.search_tokens,
+                                recipe.calibration.seed + data.index)
+        g = ScaleGroup(prev=x_.norm, linears=tuple(fed), inspect=x_.block)
+        r = _search_group(dataclasses.replace(data, features={fed[0]: x}), g, [n in local for n in fed], chosen,
+                          recipe, spec)
+        stats[x_.norm] = {"best_ratio": r.ratio, "loss": r.losses[r.ratio], "loss_rtn": r.losses[0.0],
+                          "n_evaluated": len(r.losses)}
+        awq.apply_scales(layer.get_submodule(x_.norm), [layer.get_submodule(n) for n in consumers], r.scales,
+                         arch.norm_offset)
+        x = x / r.scales.to(x.dtype)  # [T, H] what the scaled linears now see
+    for path, e in _units(layer, arch):
+        _awq_unit(data, arch, path, _unit_inputs(x, rows, e), local, recipe, spec, scale_dtype, results)
+    return stats
+
+
+def _awq_unit(data: LayerData, arch: Arch, path: str, x: torch.Tensor, local: set[str], recipe, spec: awq.QSpec,
+              scale_dtype: torch.dtype, results: dict[str, QuantResult]) -> None:
+    """One expert MLP at `path` on its calibration inputs x [n, H] (already scaled by the norm's AWQ scale)."""
+    opts, fast, layer = recipe.awq, recipe.advanced.awq, data.layer
+    mlp = layer.get_submodule(path)
+    gate, up, down = (f"{path}.{n}" for n in arch.experts.linears)
+    names = [n for n in (gate, up, down) if n in local]
+    if not names:
+        return
+    with torch.no_grad():
+        z = _hidden(mlp, x)  # [n, I]
+        if down in local:
+            r = awq.search_scales(z, [mlp.down_proj], [True], None, spec, opts.n_grid, opts.duo_scaling,
+                                  coarse_step=fast.coarse_step, grid_batch=fast.grid_batch)
+            awq.apply_scales(mlp.up_proj, [mlp.down_proj], r.scales)
+            z = z / r.scales.to(z.dtype)
+    # the expert as a one-MLP table, so clipping and rounding run exactly as for a dense MLP
+    unit = dataclasses.replace(arch, linears=(gate, up, down), no_clip=(), fused=((gate, up),),
+                               scale_groups=(ScaleGroup(arch.experts.norm, (gate, up), ""), ScaleGroup(up, (down,), "")),
+                               sequential=((gate, up), (down,)), row_parallel=(down,), experts=None)
+    ud = LayerData(data.index, layer, data.inputs, data.kwargs, {gate: x, down: z})
+    grams: dict[str, torch.Tensor] = {}
+    ranges = _clip_layer(ud, unit, set(names), opts, spec, grams) if opts.apply_clip else {}
+    with torch.no_grad():
+        _awq_round(ud, unit, names, ranges, grams, recipe, spec, scale_dtype, results)
+
+
+def gptq_moe(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype: torch.dtype,
+             results: dict[str, QuantResult]) -> dict:
+    """GPTQ for a MoE block on the quantized attention's output: each MLP in turn (the shared expert on every
+    token, each routed expert on its routed tokens): gate and up on one Hessian, then down on the quantized
+    gate/up's output. One expert's Hessian and inputs are held at a time -> stats."""
+    layer, x_ = data.layer, arch.experts
+    local = set(_moe_local(layer, arch, data.index, convert))
+    if not local:
+        return {}
+    parts: list[torch.Tensor] = []
+    feed_inputs(layer, data.inputs, data.kwargs, [x_.router], lambda _n, h: parts.append(h.reshape(-1, h.shape[-1])))
+    x = torch.cat(parts)  # [T, H]
+    del parts
+    _, rows, record = _routing(layer, arch, x, recipe)
+    spec, device = gptq_spec(recipe, scale_dtype), x.device
+    sweep, side = gptq_sweep(recipe.advanced.gptq.kernel, device), side_stream(device)
+    losses, dead = [], 0
+    for path, e in _units(layer, arch):
+        xe = _unit_inputs(x, rows, e)
+        mlp = layer.get_submodule(path)
+        for stage in (("gate_proj", "up_proj"), ("down_proj",)):
+            names = [n for n in stage if f"{path}.{n}" in local]
+            if not names:
+                continue
+            with torch.no_grad():
+                z = xe if stage[0] == "gate_proj" else _hidden(mlp, xe)  # [n, in]
+            acc = gptq.HessianAccumulator(z.shape[1], device)
+            acc.add(z)
+            del z
+            ws = [mlp.get_submodule(n).weight.data for n in names]
+            (r,) = gptq.gptq_quantize_many([(torch.cat(ws), acc.H)], spec, sweep=sweep, side=side)
+            del acc
+            for n, codes, scales, zeros in zip(names, *(t.split([w.shape[0] for w in ws])
+                                                         for t in (r.codes, r.scales, r.zeros))):
+                _store(layer, f"{path}.{n}", layer_prefix(arch, data.index), codes.contiguous(),
+                       scales.to(scale_dtype).contiguous(), zeros.contiguous(), results)
+            losses.append(r.row_loss.sum())
+            dead += r.dead_columns
+    return {"experts": {**record, "loss": float(torch.stack(losses).sum()) if losses else 0.0,
+                        "dead_columns": dead}}
+
+
 def search_layer_scales(data: LayerData, arch: Arch, recipe, local: set[str],
                         dist: Dist | None = None) -> tuple[list, dict]:
     """AWQ scale search for every foldable group of data.layer with a converted linear, all on the unmodified
@@ -493,6 +647,7 @@ class Job:
 
     def process(self, data: LayerData) -> None:
         r, arch = self.recipe, self.arch
+        moe_local = _moe_local(data.layer, arch, data.index, self.convert)
         if r.method == "awq":
             self.stats[data.index] = awq_layer(data, arch, r, self.convert, self.scale_dtype, self.results, self.runlog,
                                                self.dist)
@@ -500,10 +655,16 @@ class Job:
             self.stats[data.index] = gptq_layer(data, arch, r, self.convert, self.scale_dtype, self.results,
                                                 self.runlog, self.dist)
         else:
-            _round_to_nearest(data.layer, _local(arch, data.index, self.convert), _spec(r), self.scale_dtype,
-                              layer_prefix(arch, data.index), self.results)
+            _round_to_nearest(data.layer, _local(arch, data.index, self.convert) + moe_local, _spec(r),
+                              self.scale_dtype, layer_prefix(arch, data.index), self.results)
+        if moe_local and r.method in ("awq", "gptq"):
+            t0 = _clock(data.inputs[0].device)
+            moe = awq_moe if r.method == "awq" else gptq_moe
+            self.stats[data.index].update(moe(data, arch, r, self.convert, self.scale_dtype, self.results))
+            if self.runlog is not None:
+                self.runlog.stage(data.index, r.name, "experts", experts=_clock(data.inputs[0].device) - t0)
         prefix = layer_prefix(arch, data.index)
-        for name in (f"{prefix}.{n}" for n in _local(arch, data.index, self.convert)):  # this layer's results
+        for name in (f"{prefix}.{n}" for n in _local(arch, data.index, self.convert) + moe_local):
             res = self.results[name]
             if not bool(torch.isfinite(res.scales).all()):
                 raise NumericalError(f"{name}: {r.method} produced NaN/inf scales (the weights or their "
@@ -548,5 +709,7 @@ def _from_nibbles(d: dict) -> torch.Tensor:
 
 
 def feature_names(arch: Arch) -> list[str]:
-    """The linears whose inputs AWQ needs (one per group of linears sharing an input), in execution order."""
-    return sorted(set(_feature_of(arch).values()), key=arch.linears.index)
+    """The linears whose inputs AWQ needs (one per group of linears sharing an input), in execution order;
+    for a MoE block, the router's input (every token: each expert's rows are selected from it)."""
+    names = sorted(set(_feature_of(arch).values()), key=arch.linears.index)
+    return names + ([arch.experts.router] if arch.experts else [])

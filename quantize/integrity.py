@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .arch import Arch
+from .arch import Arch, checkpoint_name
+from .experts import split_experts
 from .source import ModelSource, ModelSourceError, brief
 
 INDEX = "model.safetensors.index.json"
@@ -76,7 +77,8 @@ def check_tensors(src: ModelSource, config, arch: Arch, trust_remote_code: bool 
     files = weight_files(src)
     found = read_shapes(src, files)
     meta = meta_model(src, config, trust_remote_code)
-    params = meta.state_dict(keep_vars=True)
+    split_experts(meta, arch)  # checkpoints hold one tensor per expert
+    params = {checkpoint_name(arch, n): t for n, t in meta.state_dict(keep_vars=True).items()}
     aliases: dict[int, list[str]] = {}
     for name, t in params.items():
         aliases.setdefault(id(t), []).append(name)

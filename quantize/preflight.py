@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,7 +19,8 @@ import torch
 import torch.nn as nn
 
 from . import formats
-from .arch import ARCHITECTURES, Arch, decoder_layers, layer_prefix
+from .arch import ARCHITECTURES, Arch, all_linears, checkpoint_name, decoder_layers, layer_prefix
+from .experts import split_experts
 from .recipe import Recipe
 
 TP_SIZES = (1, 2, 4, 8)
@@ -26,6 +28,20 @@ EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # how co
 FUSED_HINTS = ("qkv", "query_key_value", "gate_up", "w12", "w13")  # linear names that hold several projections
 # vLLM's CPU build (CPUWNA16) serves uint4 / uint4b8 only: 8-bit artifacts need a CUDA vLLM (checked 0.32).
 CPU_KERNEL = {4: "cpu_wna16", 8: "none: the CPU build serves 4-bit only (CUDA Marlin serves 8-bit)"}
+# Routed experts run in vLLM's fused MoE: its CPU build has a 4-bit path only on x86 with AMX tiles (checked
+# 0.32: elsewhere start-up fails with "No WNA16 MoE backend supports the deployment configuration").
+ROUTER_KEPT = "router: vLLM builds it unquantized"
+CPU_MOE_KERNEL = "cpu_int4_moe (needs AMX)"
+CPU_MOE_REFUSED = ("vLLM's CPU build refuses 4-bit mixture-of-experts layers on a CPU without AMX ('No WNA16 MoE "
+                   "backend supports the deployment configuration'), as this one is: serve the artifact on a CUDA "
+                   "host or an AMX CPU (Intel Sapphire Rapids or later)")
+
+
+def cpu_moe_refusal(plan: "Plan") -> str | None:
+    """Why vLLM's CPU build on this host cannot serve the plan's 4-bit experts, or None."""
+    if not any(lc.cpu_kernel == CPU_MOE_KERNEL for lc in plan.layers) or torch.cpu._is_amx_tile_supported():
+        return None
+    return CPU_MOE_REFUSED
 
 
 class PreflightError(ValueError):
@@ -68,15 +84,19 @@ class Plan:
         rows: dict[tuple, int] = {}
         for lc in self.layers:
             local = lc.name.split(".", 3)[-1] if lc.name.count(".") >= 3 else lc.name
+            local = re.sub(r"\.experts\.\d+\.", ".experts.*.", local)  # one row for every routed expert
             key = (local, lc.in_features, lc.out_features, lc.cuda_kernel, lc.cpu_kernel, lc.note)
             rows[key] = rows.get(key, 0) + 1
         head = f"{'linear':22s} {'in':>6s} {'out':>6s} {'layers':>6s}  {'CUDA kernel':32s} CPU kernel"
         lines = [head, "-" * len(head)]
         for (local, i, o, ck, cpu, note), n in rows.items():
             lines.append(f"{local:22s} {i:6d} {o:6d} {n:6d}  {ck:32s} {cpu}" + (f"  ({note})" if note else ""))
+        routers = [n for n, why in self.skipped.items() if why == ROUTER_KEPT]
         for name, why in self.skipped.items():
-            if why != "modules_to_not_convert":
+            if why not in ("modules_to_not_convert", ROUTER_KEPT):
                 lines.append(f"{name}: stays 16-bit: {why}")
+        if routers:
+            lines.append(f"{len(routers)} MoE routers / shared-expert gates stay 16-bit (vLLM builds them unquantized)")
         if self.tied_embeddings:
             lines.append("lm_head: tied to the input embedding: kept tied and 16-bit (lm_head.weight not written)")
         lines.append(f"tensor-parallel sizes at which every layer stays divisible: {self.tp_sizes}")
@@ -106,26 +126,29 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
 
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.trust_remote_code)
+    split_experts(meta, arch)
     fmt, g = formats.get(recipe.out_format), recipe.q_group_size
     out, problems, shapes = Plan(), [], []
+    linears, fused_sets, row_parallel = _layer_linears(config, arch)
+    moe_routed = {n for n in linears if arch.experts is not None and n.startswith(f"{arch.experts.module}.")}
     for i, layer in enumerate(decoder_layers(meta, arch)):
         prefix = layer_prefix(arch, i)
-        wanted = {n for n in arch.linears if n not in arch.unquantized
+        wanted = {n for n in linears if n not in arch.unquantized
                   and not is_skipped(f"{prefix}.{n}", recipe.modules_to_not_convert)}
-        for fused in arch.fused:
+        for fused in fused_sets:
             inside = [n in wanted for n in fused]
             if any(inside) and not all(inside):
                 problems.append(f"{prefix}: {', '.join(fused)} are loaded by vLLM as one module, so "
                                 f"modules_to_not_convert must skip all of them or none")
         bad = set()
-        for n in sorted(wanted, key=arch.linears.index):
+        for n in sorted(wanted, key=linears.index):
             out_f, in_f = layer.get_submodule(n).weight.shape
             if (g != -1 and in_f % g) or out_f % fmt.pack_along_out or in_f % (32 // recipe.w_bit):
                 bad.add(n)
-        for fused in arch.fused:  # a fused set is skipped as a whole
+        for fused in fused_sets:  # a fused set is skipped as a whole
             if bad & set(fused):
                 bad |= set(fused) & wanted
-        for n in arch.linears:
+        for n in linears:
             full = f"{prefix}.{n}"
             if n not in wanted:
                 out.skipped[full] = ("kept 16-bit by the architecture table (quantize/arch.py: unquantized)"
@@ -146,8 +169,11 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
                 continue
             kernel, note = fmt.cuda_kernel(in_f, out_f, g, recipe.symmetric)
             out.convert.append(full)
-            out.layers.append(LayerCheck(full, in_f, out_f, kernel, CPU_KERNEL.get(recipe.w_bit, "none"), note))
-            shapes.append((full, in_f, out_f, n in arch.row_parallel))
+            cpu = CPU_MOE_KERNEL if recipe.w_bit == 4 and n in moe_routed else CPU_KERNEL.get(recipe.w_bit, "none")
+            out.layers.append(LayerCheck(full, in_f, out_f, kernel, cpu, note))
+            shapes.append((full, in_f, out_f, n in row_parallel))
+        for n in arch.experts.unconverted() if arch.experts else ():
+            out.skipped[checkpoint_name(arch, f"{prefix}.{n}")] = ROUTER_KEPT
     tp_sizes = _tp_sizes(shapes, g)
     problems += serve_problems(config, recipe, tp_sizes)
     if recipe.dtype not in arch.serve_dtypes:
@@ -161,6 +187,22 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
     out.tied_embeddings = tied_embeddings(meta)
     out.tensor_bytes = estimate_tensor_bytes(meta, set(out.convert), recipe, out.tied_embeddings)
     return out
+
+
+def _layer_linears(config, arch: Arch) -> tuple[list[str], list[tuple[str, ...]], set[str]]:
+    """A decoder layer's quantizable linears, the sets vLLM loads as one module, the row-parallel ones.
+
+    vLLM's fused MoE module holds every routed expert of a layer: they are converted all or none.
+    """
+    linears, fused, row = all_linears(arch, config), list(arch.fused), set(arch.row_parallel)
+    if arch.experts is not None:
+        x = arch.experts
+        routed = tuple(n for n in linears if n.startswith(f"{x.module}."))
+        fused.append(routed)
+        if x.shared:
+            fused.append(x.shared_linears()[:2])
+        row |= {n for n in linears if n.endswith(".down_proj") and n not in arch.linears}
+    return linears, fused, row
 
 
 def context_length(config) -> int | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -91,6 +92,21 @@ class GptqOptions(_Strict):
     act_order: bool = True  # static: columns by descending diag(H), groups kept contiguous
     true_sequential: bool = True  # q/k/v, then o, then gate/up, then down, each on quantized predecessors
     block_size: int = Field(128, gt=0)  # lazy-batch width of the column sweep
+
+
+MIN_EXPERT_TOKENS = 128  # one GPTQ block / AWQ group of columns sees at least this many samples
+
+
+class MoeOptions(_Strict):
+    """Mixture-of-experts calibration (models with experts only; see docs/MOE.md).
+
+    Each routed expert is calibrated on the tokens the router sends to it. An expert that receives fewer than
+    min_expert_tokens of the calibration tokens is calibrated on every calibration token instead (its Hessian and
+    activation statistics would be too thin: with none, GPTQ would write all-zero weights); the manifest lists
+    every expert's routed token count and which experts took this rule.
+    """
+
+    min_expert_tokens: int = Field(MIN_EXPERT_TOKENS, ge=0)
 
 
 class AdvancedAwq(_Strict):
@@ -229,6 +245,7 @@ class Recipe(_Strict):
     checkpoint_every_s: float | None = Field(120.0, ge=0)
     trust_remote_code: bool = False
     advanced: Advanced = Advanced()
+    moe: MoeOptions | None = None  # mixture-of-experts settings; None = the defaults (`MoeOptions`)
 
     @field_validator("q_group_size")
     @classmethod
@@ -274,8 +291,15 @@ class Recipe(_Strict):
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        """The resolved recipe as plain data (what the artifact records)."""
-        return self.model_dump(mode="json")
+        """The resolved recipe as plain data (what the artifact records); `moe` only when it was set."""
+        d = self.model_dump(mode="json")
+        if d["moe"] is None:
+            del d["moe"]
+        return d
+
+    @property
+    def moe_options(self) -> MoeOptions:
+        return self.moe or MoeOptions()
 
 
 def parse_size(text: str) -> int:
@@ -408,8 +432,10 @@ def _allowed_keys(loc: tuple) -> list[str]:
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
         ann = getattr(field, "annotation", None)
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
+        for option in (ann, *typing.get_args(ann)):  # `X | None` sections (moe) name their keys too
+            if isinstance(option, type) and issubclass(option, BaseModel):
+                model = option
+                break
     return sorted(model.model_fields)
 
 

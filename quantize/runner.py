@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from . import calib, export, integrity, modelcard, serve_config, source
-from .arch import Arch, UnsupportedArchitecture, arch_for
+from .arch import Arch, UnsupportedArchitecture, arch_for, checkpoint_name
+from .experts import split_experts
 from .capture import run_shared
 from .device import configure_allocator
 from .distributed import Dist
@@ -24,8 +25,8 @@ from .engine import DTYPES, Job, feature_names, is_skipped, propagation
 from .pack import pack_all
 from .lock import output_lock
 from .paths import check_output_parent, child
-from .preflight import (Plan, PreflightError, check_free_disk, human_bytes, pick_device, plan, table_lacks,
-                        tied_embeddings)
+from .preflight import (ROUTER_KEPT, Plan, PreflightError, check_free_disk, cpu_moe_refusal, human_bytes, pick_device,
+                        plan, table_lacks, tied_embeddings)
 from .recipe import Recipe, load_recipe
 from .runlog import RunLog
 
@@ -155,8 +156,9 @@ def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: 
     c, the_plan = recipe.calibration, pf.plans[0]
     calib_line = (f"calibration: {c.n_samples} x {c.seq_len} tokens from {pf.calib_record['source']}"
                   if pf.calib_record else "calibration: none (rtn)")
+    refused = cpu_moe_refusal(the_plan)
     return f"{recipe.name}: {recipe.method} w{recipe.w_bit} g{recipe.q_group_size} format {recipe.out_format}\n" \
-           f"{the_plan.summary()}\n{the_plan.table()}\n" \
+           f"{the_plan.summary()}\n{the_plan.table()}\n" + (f"vLLM CPU: {refused}\n" if refused else "") + \
            f"output {out}: {human_bytes(pf.free_bytes)} free on its disk\n{calib_line}\n\n{the_plan.to_json()}"
 
 
@@ -215,6 +217,7 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool, runlog: RunL
         storage_dtype = compute_dtype if device.type == "cpu" else dtype
         load = lambda: source.load_model(pf.src, storage_dtype, first.trust_remote_code)  # noqa: E731
         model = load() if dist is None else dist.agree(load)
+        split_experts(model, pf.arch)  # one linear per expert: what vLLM reads (no-op for dense models)
         tied = tied_embeddings(model)
     jobs = [Job(r, pf.arch, set(p.convert), dtype, runlog=runlog, dist=dist) for r, p in zip(recipes, pf.plans)]
     # once per run: git status is a subprocess
@@ -284,8 +287,11 @@ def _plan_and_log(recipe: Recipe, config, arch):
              recipe.q_group_size, recipe.symmetric, recipe.out_format)
     log.info("pre-flight: %s\n%s", the_plan.summary(), the_plan.table())
     for name, why in the_plan.skipped.items():
-        if why != "modules_to_not_convert":
+        if why not in ("modules_to_not_convert", ROUTER_KEPT):
             log.warning("pre-flight: %s stays 16-bit: %s", name, why)
+    refused = cpu_moe_refusal(the_plan)
+    if refused:
+        log.warning("pre-flight: %s", refused)
     return the_plan
 
 
@@ -329,6 +335,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
     packed, qcfg = pack_all(job.results, recipe, list(the_plan.skipped), run.dtype, run.device)
     drop = {"lm_head.weight"} if run.tied else set()
     tensors = export.build_state_dict(model, packed, run.dtype, drop, job.overrides)
+    tensors = {checkpoint_name(job.arch, k): t for k, t in tensors.items()}  # the names vLLM reads
     export.check_finite(tensors, f"the checkpoint {run.src.path}")
 
     def fill(tmp: Path) -> dict:

@@ -43,12 +43,20 @@ TINY = {
     "gemma3": dict(cls="Gemma3TextConfig", arch="Gemma3ForCausalLM",
                    extra={"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 16,
                           "layer_types": ["sliding_attention", "full_attention"]}),
+    # mixtures of experts: 4 routed experts, top-2 (Qwen2-MoE adds a shared expert and its gate)
+    "mixtral": dict(cls="MixtralConfig", extra={"sliding_window": None, "num_local_experts": 4,
+                                                "num_experts_per_tok": 2}),
+    "qwen2_moe": dict(cls="Qwen2MoeConfig", extra={"num_experts": 4, "num_experts_per_tok": 2,
+                                                   "moe_intermediate_size": 128,
+                                                   "shared_expert_intermediate_size": 256}),
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", extra={"num_experts": 4, "num_experts_per_tok": 2,
+                                                   "moe_intermediate_size": 128, "head_dim": 64}),
 }
 
 
 def build_tiny_model(out: Path, kind: str = "llama", hidden: int = 256, intermediate: int = 512, layers: int = 2,
                      heads: int = 4, kv_heads: int = 2, vocab: int = 512, seed: int = 0,
-                     tie: bool = False) -> Path:
+                     tie: bool = False, extra: dict | None = None) -> Path:
     """A random-init decoder-only model saved as safetensors with a tokenizer; logits are far from uniform."""
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -59,7 +67,7 @@ def build_tiny_model(out: Path, kind: str = "llama", hidden: int = 256, intermed
     cfg = cfg_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
                   initializer_range=0.08, tie_word_embeddings=tie, bos_token_id=tok.bos_token_id,
-                  eos_token_id=tok.eos_token_id, **TINY[kind]["extra"])
+                  eos_token_id=tok.eos_token_id, **{**TINY[kind]["extra"], **(extra or {})})
     cfg.architectures = [TINY[kind].get("arch", cfg_cls.__name__.replace("Config", "ForCausalLM"))]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -40,15 +40,17 @@ PACKAGES = ("llmcompressor", "compressed-tensors", "transformers", "torch", "acc
             "fsspec", "pydantic")
 
 
-def modifiers(method: str) -> list:
-    """llm-compressor's recipe for `method`, W4A16 group 128, lm_head left in 16-bit."""
+def modifiers(method: str, ignore: tuple[str, ...] = ()) -> list:
+    """llm-compressor's recipe for `method`, W4A16 group 128, lm_head (and `ignore`: a MoE's routers) left in
+    16-bit."""
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
+    keep = ["lm_head", *ignore]
     if method == "gptq":
-        return [GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])]
+        return [GPTQModifier(targets="Linear", scheme="W4A16", ignore=keep)]
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
-    return [AWQModifier(), QuantizationModifier(targets="Linear", scheme="W4A16_ASYM", ignore=["lm_head"])]
+    return [AWQModifier(), QuantizationModifier(targets="Linear", scheme="W4A16_ASYM", ignore=keep)]
 
 
 def skip_pinning_without_accelerator() -> bool:
@@ -84,6 +86,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=1, help="oneshot's batch_size (its default: 1)")
+    ap.add_argument("--ignore", default="", help="comma-separated modules also left 16-bit (e.g. re:.*mlp.gate$)")
     args = ap.parse_args()
 
     tok, text, samples, ds = calibration(args.model, "groups-merged", args.n_samples, args.seq_len, args.seed)
@@ -94,7 +97,7 @@ def main() -> None:
     t = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, device_map=args.device)
     load_s = time.perf_counter() - t
-    recipe = modifiers(args.method)
+    recipe = modifiers(args.method, tuple(filter(None, args.ignore.split(","))))
     patched = skip_pinning_without_accelerator()
     t = time.perf_counter()
     oneshot(model=model, processor=tok, dataset=ds, recipe=recipe, num_calibration_samples=args.n_samples,

@@ -243,3 +243,16 @@ def test_awq_rounding_options_validate(tmp_path):
     # GPTQ rounding reads the gptq section: its block size must fit the groups, as for method gptq
     assert "block_size 96" in _err(tmp_path, method="awq", awq={"rounding": "gptq"}, gptq={"block_size": 96})
     Recipe(name="x", **BASE, gptq=dict(block_size=96))  # unused by round-to-nearest: no error
+
+
+def test_moe_section_names_its_keys_and_stays_out_of_dense_records(tmp_path):
+    write_recipe(tmp_path / "m.yaml", model="m", method="gptq", zero_point=False, moe={"min_tokens": 3})
+    with pytest.raises(RecipeError, match=r"moe\.min_tokens.*allowed keys here: min_expert_tokens$"):
+        load_recipe(tmp_path / "m.yaml")
+    write_recipe(tmp_path / "m.yaml", model="m", method="gptq", zero_point=False, moe={"min_expert_tokens": 3})
+    r = load_recipe(tmp_path / "m.yaml")
+    assert r.moe_options.min_expert_tokens == 3 and r.to_dict()["moe"] == {"min_expert_tokens": 3}
+    write_recipe(tmp_path / "d.yaml", model="m", method="gptq", zero_point=False)
+    dense = load_recipe(tmp_path / "d.yaml")
+    # unset: the default rule applies, and recipe.yaml (pinned byte for byte for dense models) does not change
+    assert dense.moe_options.min_expert_tokens == 128 and "moe" not in dense.to_dict()
