@@ -162,3 +162,32 @@ def test_two_nodes_meet_at_a_rendezvous_on_localhost(small_llama, tmp_path):
                 node.kill()
     assert [n.returncode for n in nodes] == [0, 0], [r[1][-2000:] for r in results]
     assert _same_files(one, tmp_path / "two" / recipe.stem) == []
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_two_ranks_on_a_moe_model(tmp_path, method):
+    """Experts under several ranks: every rank holds every token of a layer, so each computes the expert work
+    itself (docs/DISTRIBUTED.md) and rank 0 writes it. AWQ is byte-identical to one process, routed token counts
+    included; GPTQ's experts see the attention GPTQ quantized on two ranks (whose codes may differ, so may a
+    router's choices), so its artifact is held to the total loss bound."""
+    model = build_tiny_model(tmp_path / "moe", "qwen3_moe", hidden=64, intermediate=128, layers=2)
+    over = dict(method="gptq", zero_point=False) if method == "gptq" else {}
+    recipe = tiny_recipe(tmp_path, model, name=f"dist-moe-{method}", eval=dict(enabled=False), **over)
+    one = _one_rank(recipe, tmp_path / "one")
+    p = subprocess.run(_torchrun("--standalone", "--nproc-per-node", "2", "-m", "pipeline", "run", str(recipe),
+                                 "--out", str(tmp_path / "two")), env=_env(), capture_output=True, text=True,
+                       timeout=TIMEOUT_S, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    two = tmp_path / "two" / recipe.stem
+    differ = _same_files(one, two)
+    s1, s2 = (json.loads((a / "manifest.json").read_text())[f"{method}_stats"] for a in (one, two))
+    e1, e2 = ({k: v["experts"] for k, v in s.items()} for s in (s1, s2))
+    assert len(e1) == 2 and [e["tokens"] for e in e1.values()] == [e["tokens"] for e in e2.values()]
+    if method == "awq":
+        assert e1 == e2, "routed token counts differ from one process's"
+        assert differ == [], f"AWQ on two ranks must be byte-identical; differ: {differ}"
+    else:
+        assert set(differ) <= {"model.safetensors"}, differ
+        a, b = _gptq_losses(one), _gptq_losses(two)
+        assert a.keys() == b.keys() and a
+        assert abs(sum(a.values()) - sum(b.values())) <= GPTQ_TOTAL_LOSS_RTOL * sum(a.values())
