@@ -22,7 +22,6 @@ import os
 import resource
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 
 T0 = time.perf_counter()
@@ -32,21 +31,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.versions import installed  # noqa: E402
 from quantize import distributed, runner  # noqa: E402
 from quantize.runlog import RunLog  # noqa: E402
 
 PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "pydantic", "compressed-tensors")
 GIB = 2**30
 
-
-def versions() -> dict[str, str]:
-    out = {}
-    for p in PACKAGES:
-        try:
-            out[p] = metadata.version(p)
-        except metadata.PackageNotFoundError:
-            out[p] = "absent"
-    return out
 
 
 def per_layer(runlog: RunLog) -> dict:
@@ -105,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     record = {
         "runner": "ours", "recipe": man["recipe"]["name"], "method": man["recipe"]["method"],
         "artifact": str(art), "device": man["device"], "compute_dtype": man["compute_dtype"],
-        "gpu": torch.cuda.get_device_name(0) if cuda else None, "versions": versions(),
+        "gpu": torch.cuda.get_device_name(0) if cuda else None, "versions": installed(PACKAGES),
         "gpu_total_gib": gib(torch.cuda.get_device_properties(0).total_memory) if cuda else None,
         "calibration": man["calibration"], "cuda_allocator": man.get("cuda_allocator"),
         "stages_s": runlog.stages, "run_s": round(run_s, 3), "process_s": round(time.perf_counter() - T0, 2),

@@ -199,6 +199,14 @@ def extrapolate(record: dict, total_layers: int) -> dict:
                     f"plus {RESULTS_DEVICE_SHARE:.0%} of the device (the results kept there)"}
 
 
+def finish(report: dict, text: str, save, ok: bool) -> int:
+    """The printed table also goes into the JSON record (saved once more) -> the command's exit status."""
+    report["table"] = text.splitlines()
+    save()
+    print(text)
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -233,11 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             record["extrapolated"] = extrapolate(record, cfg["num_hidden_layers"])
         report["runs"][job] = record
         save()
-    text = table(report)
-    report["table"] = text.splitlines()
-    save()
-    print(text)
-    return 0 if all(r["ok"] for r in report["runs"].values()) else 1
+    return finish(report, table(report), save, all(r["ok"] for r in report["runs"].values()))
 
 
 if __name__ == "__main__":

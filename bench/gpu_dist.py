@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu_bench import build, child_env, install_wheels, run_job, write_recipe  # noqa: E402
+from bench.gpu_bench import build, child_env, finish, install_wheels, run_job, write_recipe  # noqa: E402
 
 SHAPES = ("7b", "72b")
 METHODS = ("awq", "gptq")
@@ -189,11 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         report["runs"][job] = run_job(job, job_command(job, b["path"], args), env, args.work, args.out,
                                       args.job_timeout)
         save()
-    text = table(report)
-    report["table"] = text.splitlines()
-    save()
-    print(text)
-    return 0 if all(r["ok"] for r in report["runs"].values()) else 1
+    return finish(report, table(report), save, all(r["ok"] for r in report["runs"].values()))
 
 
 if __name__ == "__main__":

@@ -136,11 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         report["runs"][job] = record
         report["summary"][job] = summary(record)
         save()
-    text = table(report)
-    report["table"] = text.splitlines()
-    save()
-    print(text)
-    return 0 if all(s["ok"] for s in report["summary"].values()) else 1
+    return gpu_bench.finish(report, table(report), save, all(s["ok"] for s in report["summary"].values()))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import os
 import resource
 import sys
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 T0 = time.perf_counter()
@@ -34,6 +33,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from llmcompressor import oneshot  # noqa: E402
 from bench.peers.common import LIFECYCLE_FLAGS, calibration  # noqa: E402
+from bench.versions import installed  # noqa: E402
 from quantize import calib  # noqa: E402
 
 PACKAGES = ("llmcompressor", "compressed-tensors", "transformers", "torch", "accelerate", "datasets", "pyarrow",
@@ -64,15 +64,6 @@ def skip_pinning_without_accelerator() -> bool:
     IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
     return True
 
-
-def versions() -> dict[str, str]:
-    out = {}
-    for p in PACKAGES:
-        try:
-            out[p] = version(p)
-        except PackageNotFoundError:
-            out[p] = "absent"
-    return out
 
 
 def main() -> None:
@@ -114,7 +105,7 @@ def main() -> None:
     n_layers = model.config.num_hidden_layers
     record = {
         "runner": "llmcompressor", "method": args.method, "model": str(Path(args.model).resolve()),
-        "device": args.device, "gpu": torch.cuda.get_device_name(0) if cuda else None, "versions": versions(),
+        "device": args.device, "gpu": torch.cuda.get_device_name(0) if cuda else None, "versions": installed(PACKAGES),
         "calibration": {"source": text.source, "sha256": text.sha256, "n_samples": args.n_samples,
                         "seq_len": args.seq_len, "seed": args.seed, "batch_size": args.batch_size,
                         "samples_sha256": calib.samples_sha256(samples)},

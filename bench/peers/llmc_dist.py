@@ -28,21 +28,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from importlib.metadata import PackageNotFoundError, version  # noqa: E402
+from bench.versions import installed  # noqa: E402
 
 PACKAGES = ("llmcompressor", "compressed-tensors", "transformers", "torch")
 
 GIB = 2**30
 
-
-def versions() -> dict[str, str]:
-    out = {}
-    for p in PACKAGES:
-        try:
-            out[p] = version(p)
-        except PackageNotFoundError:
-            out[p] = "absent"
-    return out
 
 
 def entry_points():
@@ -72,7 +63,7 @@ def main() -> None:
         if rank == 0:
             record = {"runner": "llmcompressor-dist", "method": args.method, "supported": False,
                       "reason": f"this llm-compressor / compressed-tensors has no distributed oneshot: {found}",
-                      "versions": versions()}
+                      "versions": installed(PACKAGES)}
             args.json.write_text(json.dumps(record, indent=2) + "\n")
             print(json.dumps(record), flush=True)
         return
@@ -111,7 +102,7 @@ def main() -> None:
         n_layers = model.config.num_hidden_layers
         oneshot_max = max(r["oneshot_s"] for r in ranks)
         record = {"runner": "llmcompressor-dist", "method": args.method, "supported": True, "world_size": world,
-                  "versions": versions(), "layers": n_layers,
+                  "versions": installed(PACKAGES), "layers": n_layers,
                   "stages_s": {"load": round(load_s, 3), "oneshot": round(oneshot_max, 3)},
                   "oneshot_per_layer_s": round(oneshot_max / n_layers, 3),
                   "peak_gpu_alloc_gib": max((r["peak_gpu_alloc_gib"] or 0) for r in ranks) if cuda else None,
