@@ -71,6 +71,8 @@ def test_tampered_failed_and_unevaluated_artifacts_are_refused(evaluated, sqlite
     m = json.loads((fresh / "manifest.json").read_text())
     m.pop("report")
     (fresh / "manifest.json").write_text(json.dumps(m))
+    for name in ("report.json", "report.md"):  # what quantize alone leaves: no report files either
+        (fresh / name).unlink()
     with pytest.raises(registry.RegistryError, match="not evaluated; run `make eval RECIPE=tiny-eval`"):
         registry.register(fresh)
     assert registry.versions() == []  # nothing was registered by any refused attempt
