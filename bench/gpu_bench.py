@@ -199,6 +199,20 @@ def extrapolate(record: dict, total_layers: int) -> dict:
                     f"plus {RESULTS_DEVICE_SHARE:.0%} of the device (the results kept there)"}
 
 
+def start(args, **header) -> tuple[dict, dict]:
+    """A benchmark's folders, its record's header and its children's environment (the wheels installed first when
+    --wheels names them) -> (record, environment)."""
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": sys.argv, **header,
+                    "calibration": {"n_samples": args.n_samples, "seq_len": args.seq_len}}
+    site = None
+    if args.wheels is not None:
+        site = args.work / "site"
+        report["wheels"] = install_wheels(args.wheels, site)
+    return report, child_env(site)
+
+
 def finish(report: dict, text: str, save, ok: bool) -> int:
     """The printed table also goes into the JSON record (saved once more) -> the command's exit status."""
     report["table"] = text.splitlines()
@@ -209,16 +223,8 @@ def finish(report: dict, text: str, save, ok: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.work.mkdir(parents=True, exist_ok=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    report: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    "command": sys.argv, "jobs": args.jobs, "device": args.device, "tiny": args.tiny,
-                    "calibration": {"n_samples": args.n_samples, "seq_len": args.seq_len}, "builds": {}, "runs": {}}
-    site = None
-    if args.wheels is not None:
-        site = args.work / "site"
-        report["wheels"] = install_wheels(args.wheels, site)
-    env = child_env(site)
+    report, env = start(args, jobs=args.jobs, device=args.device, tiny=args.tiny)
+    report.update(builds={}, runs={})
 
     def save() -> None:
         (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n")

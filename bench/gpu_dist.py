@@ -24,13 +24,12 @@ import argparse
 import json
 import os
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu_bench import build, child_env, finish, install_wheels, run_job, write_recipe  # noqa: E402
+from bench.gpu_bench import build, finish, run_job, start, write_recipe  # noqa: E402
 
 SHAPES = ("7b", "72b")
 METHODS = ("awq", "gptq")
@@ -157,16 +156,8 @@ def table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.work.mkdir(parents=True, exist_ok=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    report: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": sys.argv,
-                    "jobs": args.jobs, "device": args.device, "tiny": args.tiny, "gpus": args.gpus,
-                    "calibration": {"n_samples": args.n_samples, "seq_len": args.seq_len}, "builds": {}, "runs": {}}
-    site = None
-    if args.wheels is not None:
-        site = args.work / "site"
-        report["wheels"] = install_wheels(args.wheels, site)
-    env = child_env(site)
+    report, env = start(args, jobs=args.jobs, device=args.device, tiny=args.tiny, gpus=args.gpus)
+    report.update(builds={}, runs={})
     if args.device == "cpu":  # torchrun gives each rank one thread; one rank gets one too, or it would use them all
         env["OMP_NUM_THREADS"] = "1"
 

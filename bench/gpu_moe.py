@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,17 +108,9 @@ def table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.work.mkdir(parents=True, exist_ok=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    report: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": sys.argv,
-                    "config": CONFIG, "layers": 2 if args.tiny else args.layers, "jobs": args.jobs,
-                    "device": args.device, "tiny": args.tiny, "peer_python": args.peer_python,
-                    "calibration": {"n_samples": args.n_samples, "seq_len": args.seq_len}, "runs": {}, "summary": {}}
-    site = None
-    if args.wheels is not None:
-        site = args.work / "site"
-        report["wheels"] = gpu_bench.install_wheels(args.wheels, site)
-    env = gpu_bench.child_env(site)
+    report, env = gpu_bench.start(args, config=CONFIG, layers=2 if args.tiny else args.layers, jobs=args.jobs,
+                                  device=args.device, tiny=args.tiny, peer_python=args.peer_python)
+    report.update(runs={}, summary={})
 
     def save() -> None:
         (args.out / "gpu_moe.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
