@@ -3,7 +3,9 @@
 Each variant is quantized on the CPU in float32 from a tiny Llama built from its config (seed 0), and every file
 the artifact holds except the ones that record the run itself (manifest, report, model card: timings, dates,
 versions) is hashed. The pins are of one kernel path: torch's CPU matmuls differ in the last bit between
-instruction sets, so on a CPU whose capability differs from the one recorded the test is skipped, saying so.
+instruction sets, so the artifacts are built in a child process held to the recorded capability
+(ATEN_CPU_CAPABILITY; an AVX-512 CPU also runs the AVX2 kernels), and the test is skipped, saying so, only on a
+CPU that cannot run that capability.
 Regenerate with `python tests/integration/test_golden_artifacts.py` after a change meant to alter the bytes.
 """
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -46,8 +50,6 @@ def _hashes(art: Path) -> dict[str, str]:
 
 def build_all(tmp: Path) -> dict[str, dict[str, str]]:
     """Built under tmp with relative paths, so that no file records where the test ran."""
-    import os
-
     sys.path.insert(0, str(ROOT))
     from tests.conftest import build_tiny_model, tiny_recipe
     from quantize import runner
@@ -71,16 +73,23 @@ def _capability() -> str:
 
 def test_tiny_artifacts_are_byte_identical_to_the_pins(tmp_path):
     pinned = json.loads(GOLDEN.read_text())
-    if pinned["cpu_capability"] != _capability():
-        pytest.skip(f"pins are of {pinned['cpu_capability']} kernels; this CPU runs {_capability()}")
-    got = build_all(tmp_path)
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": pinned["cpu_capability"].lower(), "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, __file__, "--hashes", str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.splitlines()[-1])
+    if got["cpu_capability"] != pinned["cpu_capability"]:
+        pytest.skip(f"pins are of {pinned['cpu_capability']} kernels; this CPU runs {got['cpu_capability']} only")
     for name, files in pinned["artifacts"].items():
-        assert got[name] == files, f"{name}: the artifact's bytes changed"
+        assert got["artifacts"][name] == files, f"{name}: the artifact's bytes changed"
 
 
 if __name__ == "__main__":
     import tempfile
 
+    if sys.argv[1:2] == ["--hashes"]:  # the test's child: one JSON line on stdout
+        print(json.dumps({"cpu_capability": _capability(), "artifacts": build_all(Path(sys.argv[2]))}))
+        raise SystemExit(0)
     with tempfile.TemporaryDirectory() as d:
         record = {"cpu_capability": _capability(), "torch": torch.__version__, "artifacts": build_all(Path(d))}
     GOLDEN.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
