@@ -29,6 +29,7 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml
 GPUS ?= 1
 LAUNCH = $(if $(filter-out 1,$(GPUS)),$(PY) -m torch.distributed.run --standalone --nproc-per-node $(GPUS),$(PY))
 quantize: $(STAMP)
+	@case "$(GPUS)" in ''|*[!0-9]*|0) echo "error: GPUS=$(GPUS): give the number of processes (one per GPU) as a positive whole number, e.g. GPUS=2" >&2; exit 2;; esac
 	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(LAUNCH) -m pipeline run $(RECIPE) $(if $(FORCE),--force)
 
 # make eval [RECIPE=name]: perplexity FP16 vs quantized + vLLM smoke-load -> artifacts/<name>/report.{json,md}

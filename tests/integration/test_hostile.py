@@ -444,3 +444,14 @@ def re_match(pattern: str, text: str) -> bool:
     import re
 
     return re.match(pattern, text) is not None
+
+
+@pytest.mark.parametrize("gpus", ["abc", "0", "-2"])
+def test_make_quantize_refuses_a_gpu_count_that_is_not_a_positive_number(gpus):
+    """`make quantize GPUS=x` fails before torchrun (whose own refusal is a traceback) with what to change."""
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run(["make", "--no-print-directory", "-o", ".venv/.installed", "quantize", f"GPUS={gpus}"],
+                       cwd=root, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert f"error: GPUS={gpus}: give the number of processes" in p.stderr
+    assert "Traceback" not in p.stderr
