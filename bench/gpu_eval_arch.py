@@ -1,0 +1,42 @@
+"""On a GPU host: `python -m pipeline run` (quantize + eval on cuda) for tiny random MoE models, AWQ and GPTQ, then
+`python -m pipeline compare` of two group sizes on the last one, eval on. A functional check of the stages on the
+device (tiny untrained models: their perplexities say nothing about quality). JSON in $OUT/gpu_eval_arch.json.
+
+    python3 bench/gpu_eval_arch.py [KIND ...]      # KIND: tests/conftest.py's tiny kinds (default: the MoE ones)
+"""
+import json, os, subprocess, sys, time
+from pathlib import Path
+sys.path.insert(0, os.getcwd())
+from tests.conftest import build_tiny_model, tiny_recipe
+out = Path(os.environ.get("OUT", "/tmp/o")); work = Path("/tmp/gea"); work.mkdir(exist_ok=True)
+rows = []
+env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "") + ":" + os.getcwd(), "HF_HUB_OFFLINE": "1"}
+KINDS = sys.argv[1:] or ["qwen3_moe", "mixtral", "qwen2_moe"]
+for kind in KINDS:
+    m = build_tiny_model(work / kind, kind, hidden=128, intermediate=256, layers=2)
+    for method, over in (("awq", {}), ("gptq", dict(method="gptq", zero_point=False))):
+        dt = "bfloat16" if kind.startswith("gemma") else "float16"
+        r = tiny_recipe(work, m, name=f"{kind}-{method}", device="cuda", dtype=dt,
+                        eval=dict(perplexity=dict(dataset="wikitext2", seq_len=256, max_windows=8)), **over)
+        t = time.time()
+        p = subprocess.run([sys.executable, "-m", "pipeline", "run", str(r), "--out", str(work / "a")], env=env,
+                           capture_output=True, text=True)
+        art = work / "a" / r.stem
+        rep = json.loads((art / "report.json").read_text()) if (art / "report.json").exists() else {}
+        man = json.loads((art / "manifest.json").read_text()) if (art / "manifest.json").exists() else {}
+        row = dict(model=kind, method=method, rc=p.returncode, wall_s=round(time.time() - t, 1),
+                   stages_s=man.get("timings_s"), ppl=rep.get("perplexity"), device=rep.get("device") or rep.get("eval_device"),
+                   vllm=(rep.get("vllm") or {}).get("status") if isinstance(rep.get("vllm"), dict) else rep.get("vllm"),
+                   err=p.stderr.strip().splitlines()[-1:] if p.returncode else None)
+        rows.append(row); print(json.dumps(row)[:600], flush=True)
+        (out / "gpu_eval_arch.json").write_text(json.dumps(rows, indent=1, default=str))
+# compare on a MoE model: two group sizes, one pass, eval on the GPU
+m = work / KINDS[-1]
+rs = [tiny_recipe(work, m, name=f"cmp-g{g}", device="cuda", q_group_size=g,
+                  eval=dict(perplexity=dict(dataset="wikitext2", seq_len=256, max_windows=8))) for g in (32, 64)]
+t = time.time()
+p = subprocess.run([sys.executable, "-m", "pipeline", "compare", *map(str, rs), "--name", "moe", "--out", str(work / "c")],
+                   env=env, capture_output=True, text=True)
+print("compare rc", p.returncode, round(time.time() - t, 1), p.stdout[-1500:], p.stderr[-800:] if p.returncode else "")
+rows.append(dict(compare_rc=p.returncode, wall_s=round(time.time() - t, 1), stdout_tail=p.stdout[-1500:]))
+(out / "gpu_eval_arch.json").write_text(json.dumps(rows, indent=1, default=str))
