@@ -96,6 +96,19 @@ def _result_home(t: torch.Tensor, results: dict[str, QuantResult]) -> torch.devi
     return t.device if kept + 2 * t.numel() * t.element_size() <= RESULTS_DEVICE_SHARE * total else torch.device("cpu")
 
 
+def _store_rows(layer: nn.Module, names: list[str], prefix: str, r, scale_dtype: torch.dtype,
+                results: dict[str, QuantResult]) -> None:
+    """One GPTQ problem solved for several linears stacked by rows (q/k/v, gate/up): each linear's rows stored."""
+    rows = [layer.get_submodule(n).weight.shape[0] for n in names]
+    for n, codes, scales, zeros in zip(names, *(t.split(rows) for t in (r.codes, r.scales, r.zeros))):
+        _store(layer, n, prefix, codes.contiguous(), scales.to(scale_dtype).contiguous(), zeros.contiguous(), results)
+
+
+def _search_stats(r) -> dict:
+    """An AWQ scale search's record: the chosen ratio, its loss, round-to-nearest's loss, candidates tried."""
+    return {"best_ratio": r.ratio, "loss": r.losses[r.ratio], "loss_rtn": r.losses[0.0], "n_evaluated": len(r.losses)}
+
+
 def _store(layer: nn.Module, name: str, prefix: str, codes, scales, zeros, results: dict[str, QuantResult]) -> None:
     """Record a converted linear and leave its dequantized weight in the layer."""
     fc = layer.get_submodule(name)
@@ -253,10 +266,7 @@ def _awq_round(data: LayerData, arch: Arch, names: list[str], ranges: dict, gram
     solved = gptq.gptq_quantize_many(problems, gspec, cat_grids, gptq_sweep(recipe.advanced.gptq.kernel, dev),
                                      side_stream(dev))
     for group, r in zip(shared, solved):
-        rows = [layer.get_submodule(n).weight.shape[0] for n in group]
-        for n, codes, scales, zeros in zip(group, *(t.split(rows) for t in (r.codes, r.scales, r.zeros))):
-            _store(layer, n, prefix, codes.contiguous(), scales.to(scale_dtype).contiguous(), zeros.contiguous(),
-                   results)
+        _store_rows(layer, group, prefix, r, scale_dtype, results)
 
 
 def _awq_round_owned(data: LayerData, arch: Arch, names: list[str], ranges: dict, grams: dict, recipe,
@@ -395,8 +405,7 @@ def awq_moe(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype:
         g = ScaleGroup(prev=x_.norm, linears=tuple(fed), inspect=x_.block)
         r = _search_group(dataclasses.replace(data, features={fed[0]: x}), g, [n in local for n in fed], chosen,
                           recipe, spec)
-        stats[x_.norm] = {"best_ratio": r.ratio, "loss": r.losses[r.ratio], "loss_rtn": r.losses[0.0],
-                          "n_evaluated": len(r.losses)}
+        stats[x_.norm] = _search_stats(r)
         awq.apply_scales(layer.get_submodule(x_.norm), [layer.get_submodule(n) for n in consumers], r.scales,
                          arch.norm_offset)
         x = x / r.scales.to(x.dtype)  # [T, H] what the scaled linears now see
@@ -464,10 +473,8 @@ def gptq_moe(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype
             ws = [mlp.get_submodule(n).weight.data for n in names]
             (r,) = gptq.gptq_quantize_many([(torch.cat(ws), acc.H)], spec, sweep=sweep, side=side)
             del acc
-            for n, codes, scales, zeros in zip(names, *(t.split([w.shape[0] for w in ws])
-                                                         for t in (r.codes, r.scales, r.zeros))):
-                _store(layer, f"{path}.{n}", layer_prefix(arch, data.index), codes.contiguous(),
-                       scales.to(scale_dtype).contiguous(), zeros.contiguous(), results)
+            _store_rows(layer, [f"{path}.{n}" for n in names], layer_prefix(arch, data.index), r, scale_dtype,
+                        results)
             losses.append(r.row_loss.sum())
             dead += r.dead_columns
     return {"experts": {**record, "loss": float(torch.stack(losses).sum()) if losses else 0.0,
@@ -490,8 +497,7 @@ def search_layer_scales(data: LayerData, arch: Arch, recipe, local: set[str],
             continue
         t = _clock(device)
         r = _search_group(data, g, quantized, chosen_batches, recipe, spec, dist)
-        stats[g.prev] = {"best_ratio": r.ratio, "loss": r.losses[r.ratio], "loss_rtn": r.losses[0.0],
-                         "n_evaluated": len(r.losses), "seconds": round(_clock(device) - t, 4)}
+        stats[g.prev] = {**_search_stats(r), "seconds": round(_clock(device) - t, 4)}
         chosen.append((g, r.scales))
     return chosen, stats
 
