@@ -119,3 +119,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    if distributed.world_size() > 1:  # a torchrun worker: see `distributed.leave`
+        distributed.leave(0)

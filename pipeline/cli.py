@@ -171,6 +171,13 @@ def oom_message(e: BaseException, recipe_name: str, during_eval: bool = False) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _main_handled(argv)
+    if distributed.world_size() > 1:  # a torchrun worker: see `distributed.leave`
+        distributed.leave(code)
+    return code
+
+
+def _main_handled(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     # under torchrun rank 0 tells the story; the others speak only of trouble
     quiet = distributed.world_size() > 1 and os.environ.get("RANK", "0") != "0"

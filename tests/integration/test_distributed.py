@@ -147,8 +147,11 @@ def test_two_nodes_meet_at_a_rendezvous_on_localhost(small_llama, tmp_path):
     recipe = tiny_recipe(tmp_path, small_llama, name="dist-nodes", eval=dict(enabled=False))
     one = _one_rank(recipe, tmp_path / "one")
     port = _free_port()
+    # On a cluster only node 0's address matches the endpoint, so node 0's launcher hosts the rendezvous store;
+    # on one machine both match and whichever binds first would host, so each is told, as on a cluster
     nodes = [subprocess.Popen(_torchrun("--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
                                         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                        "--rdzv-conf", f"is_host={int(rank == 0)}",
                                         "--rdzv-id", "dist-test", "-m", "pipeline", "run", str(recipe),
                                         "--out", str(tmp_path / "two")),
                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)

@@ -4,11 +4,17 @@ rank's error is rebuilt, and which commands refuse torchrun. Nothing joins a pro
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
-from pipeline import cli
 from quantize.distributed import DistributedError, Dist, _portable
 from quantize.preflight import PreflightError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _dist(rank: int, world: int) -> Dist:
@@ -41,9 +47,12 @@ def test_another_ranks_error_keeps_its_class_and_names_the_rank():
     assert isinstance(e, DistributedError) and str(e).startswith("rank 2: ") and "Odd" in str(e)
 
 
-def test_only_run_is_spread_over_ranks(monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-    assert cli.main(["list"]) == 2
-    assert capsys.readouterr().err.strip() == ("error: `list` runs in one process; only `run` is spread over ranks: "
-                                               "start it without torchrun")
+def test_only_run_is_spread_over_ranks():
+    """In a process torchrun started, another command is refused; the worker leaves through `distributed.leave`,
+    so its exit code and its flushed message are what the launcher sees."""
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "-m", "pipeline", "list"], env=env, capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip() == ("error: `list` runs in one process; only `run` is spread over ranks: "
+                                "start it without torchrun")
