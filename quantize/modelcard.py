@@ -153,13 +153,39 @@ def render(manifest: dict, report: dict | None = None) -> str:
                                          ("calibration", _calibration_text(m.get("calibration"))),
                                          ("linears left 16-bit", ", ".join(_kept_16bit(m)) or "none"),
                                          ("tensor-parallel sizes", m.get("tensor_parallel_sizes")))],
-        "", "## Evaluation", "", *_evaluation(report), "",
+        "", *_experts(m), "## Evaluation", "", *_evaluation(report), "",
         "## Integrity and reproduction", "",
         "`manifest.json` lists the sha256 of every file; `python -m pipeline eval --artifact <dir>` and the registry refuse "
         "the directory if any file differs. `recipe.yaml` is the resolved recipe; re-run it with "
         f"`make quantize RECIPE={m['artifact']}` (quantize git commit `{(m.get('git') or {}).get('commit')}`).", ""]
     card = ModelCard(f"---\n{card_data(m, report).to_yaml()}\n---\n\n" + "\n".join(body))
     return str(card)
+
+
+def _experts(m: dict) -> list[str]:
+    """For a mixture of experts: per layer, how many calibration tokens the router gave its experts and which
+    ones took the minimum-token rule (docs/MOE.md); [] for a dense model. The counts are the manifest's."""
+    rows, key, first = [], None, None
+    for key, stats in sorted((k, v) for k, v in m.items() if k.endswith("_stats") and isinstance(v, dict)):
+        layers = sorted((int(i), s["experts"]) for i, s in stats.items()
+                        if str(i).isdigit() and isinstance(s, dict) and "experts" in s)
+        if not layers:
+            continue
+        first = layers[0][1]
+        for i, e in layers:
+            counts = sorted(e["routed_tokens"])
+            took = e["calibrated_on_all_tokens"]
+            rows.append(f"| {i} | {len(counts)} | {counts[0]} | {counts[len(counts) // 2]} | {counts[-1]} | "
+                        f"{', '.join(map(str, took)) if took else 'none'} |")
+        break
+    if not rows:
+        return []
+    return ["## Expert calibration", "",
+            f"Each expert is calibrated on the tokens its router sends it, out of {first['tokens']} calibration "
+            f"tokens per layer. An expert sent fewer than {first['min_expert_tokens']} (`moe.min_expert_tokens`) "
+            f"is calibrated on all of them instead. Each expert's count is in `manifest.json` under `{key}`.", "",
+            "| layer | experts | fewest tokens | median | most | calibrated on all tokens |",
+            "|---:|---:|---:|---:|---:|---|", *rows, ""]
 
 
 def _serve(m: dict) -> list[str]:

@@ -108,6 +108,9 @@ def test_artifact_tensors_and_token_counts(artifacts, kind, variant):
         assert len(rec["routed_tokens"]) == n_exp and sum(rec["routed_tokens"]) == rec["tokens"] * top_k
         assert rec["calibrated_on_all_tokens"] == [e for e, c in enumerate(rec["routed_tokens"])
                                                    if c < rec["min_expert_tokens"]]
+        counts = sorted(rec["routed_tokens"])  # the model card's row for the layer shows the same counts
+        assert f"\n| {i} | {n_exp} | {counts[0]} | {counts[n_exp // 2]} | {counts[-1]} | " in \
+            (out / "README.md").read_text()
 
 
 def _scaled_logits(model_dir, ids, leave_out: str | None = None):

@@ -106,3 +106,21 @@ def test_front_matter_is_plain_yaml(report):
     front = yaml.safe_load(text.split("---\n")[1])
     assert front == modelcard.card_data(MANIFEST, report).to_dict()
     assert list(front)[:5] == ["base_model", "library_name", "license", "pipeline_tag", "tags"]
+
+
+def test_a_moe_card_shows_each_layers_routed_tokens_and_the_experts_under_the_rule(tmp_path):
+    stats = {"0": {"experts": {"tokens": 1024, "routed_tokens": [700, 0, 1300, 50], "min_expert_tokens": 128,
+                               "calibrated_on_all_tokens": [1, 3]}, "loss": 1.0},
+             "1": {"experts": {"tokens": 1024, "routed_tokens": [512, 512, 512, 512], "min_expert_tokens": 128,
+                               "calibrated_on_all_tokens": []}}}
+    card = _load(tmp_path, modelcard.render({**MANIFEST, "awq_stats": stats}))
+    body = card.text.split("## Expert calibration\n", 1)[1].split("\n## ", 1)[0]
+    assert "out of 1024 calibration tokens" in body and "fewer than 128" in body and "`awq_stats`" in body
+    assert "| 0 | 4 | 0 | 700 | 1300 | 1, 3 |" in body
+    assert "| 1 | 4 | 512 | 512 | 512 | none |" in body
+    assert card.text.index("## Expert calibration") < card.text.index("## Evaluation")
+
+
+def test_a_dense_card_has_no_expert_section(tmp_path):
+    stats = {"0": {"self_attn.q_proj": {"loss": 1.0}}}
+    assert "## Expert calibration" not in modelcard.render({**MANIFEST, "gptq_stats": stats})
