@@ -1,21 +1,32 @@
-"""On a GPU host: `python -m pipeline run` (quantize + eval on cuda) for tiny random MoE models, AWQ and GPTQ, then
+"""On a GPU host: `python -m pipeline run` (quantize + eval on cuda) for tiny random models, AWQ and GPTQ, then
 `python -m pipeline compare` of two group sizes on the last one, eval on. A functional check of the stages on the
 device (tiny untrained models: their perplexities say nothing about quality). JSON in $OUT/gpu_eval_arch.json.
 
-    python3 bench/gpu_eval_arch.py [KIND ...]      # KIND: tests/conftest.py's tiny kinds (default: the MoE ones)
+    python3 bench/gpu_eval_arch.py [KIND ...]      # default: the MoE kinds
+    python3 bench/gpu_eval_arch.py --no-compare gemma2 phi3 olmo2
+
+KIND: a tiny kind of tests/conftest.py (TINY) or a dense model of tests/integration/test_architectures.py (MODELS),
+each built by that file's own builder, in the dtype its tests use.
 """
 import json, os, subprocess, sys, time
 from pathlib import Path
 sys.path.insert(0, os.getcwd())
-from tests.conftest import build_tiny_model, tiny_recipe
+from tests.conftest import TINY, build_tiny_model, tiny_recipe
+from tests.integration.test_architectures import MODELS, build
 out = Path(os.environ.get("OUT", "/tmp/o")); work = Path("/tmp/gea"); work.mkdir(exist_ok=True)
 rows = []
 env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "") + ":" + os.getcwd(), "HF_HUB_OFFLINE": "1"}
-KINDS = sys.argv[1:] or ["qwen3_moe", "mixtral", "qwen2_moe"]
+COMPARE = "--no-compare" not in sys.argv
+KINDS = [a for a in sys.argv[1:] if a != "--no-compare"] or ["qwen3_moe", "mixtral", "qwen2_moe"]
 for kind in KINDS:
-    m = build_tiny_model(work / kind, kind, hidden=128, intermediate=256, layers=2)
-    for method, over in (("awq", {}), ("gptq", dict(method="gptq", zero_point=False))):
+    if kind in MODELS:
+        m, dt = build(work / kind, kind), MODELS[kind][4]
+    elif kind in TINY:
+        m = build_tiny_model(work / kind, kind, hidden=128, intermediate=256, layers=2)
         dt = "bfloat16" if kind.startswith("gemma") else "float16"
+    else:
+        raise SystemExit(f"error: no tiny model {kind!r}; kinds: {sorted(TINY) + sorted(MODELS)}")
+    for method, over in (("awq", {}), ("gptq", dict(method="gptq", zero_point=False))):
         r = tiny_recipe(work, m, name=f"{kind}-{method}", device="cuda", dtype=dt,
                         eval=dict(perplexity=dict(dataset="wikitext2", seq_len=256, max_windows=8)), **over)
         t = time.time()
@@ -30,7 +41,9 @@ for kind in KINDS:
                    err=p.stderr.strip().splitlines()[-1:] if p.returncode else None)
         rows.append(row); print(json.dumps(row)[:600], flush=True)
         (out / "gpu_eval_arch.json").write_text(json.dumps(rows, indent=1, default=str))
-# compare on a MoE model: two group sizes, one pass, eval on the GPU
+if not COMPARE:
+    raise SystemExit(0)
+# compare on the last model: two group sizes, one pass, eval on the GPU
 m = work / KINDS[-1]
 rs = [tiny_recipe(work, m, name=f"cmp-g{g}", device="cuda", q_group_size=g,
                   eval=dict(perplexity=dict(dataset="wikitext2", seq_len=256, max_windows=8))) for g in (32, 64)]
