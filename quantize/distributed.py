@@ -287,8 +287,8 @@ def leave(code: int) -> NoReturn:
     """End a torchrun worker with `code`, skipping Python's finalization. gloo's worker threads drop each finished
     operation's tensors a moment after the caller has seen it complete, taking the GIL to do so; when that moment
     falls into the interpreter's finalization the thread is killed mid-unwind and the process aborts (SIGABRT
-    after a complete run, so torchrun reports a failure and the other node's launcher waits on it; seen about
-    once in 20 runs on 2 loaded cores). Every file the run wrote is closed by now; the logs are flushed here."""
+    after a complete run, so torchrun reports a failure and the other node's launcher waits on it; docs/DISTRIBUTED.md
+    has the measurement). Every file the run wrote is closed by now; the logs are flushed here."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
