@@ -143,6 +143,29 @@ def test_preflight_on_real_shapes():
     assert p72.tp_sizes == [1]  # down_proj 29568 = 128 x 231: any split leaves a partial group of 128
 
 
+def test_moe_recipes_plan_every_expert_on_the_real_shape():
+    """Qwen3-30B-A3B's config (meta device): the shipped recipes convert attention and all 128 experts' linears in
+    each of 48 layers, keep the routers 16-bit, and tensor parallelism stops at 2 (768-wide experts / 4 = 192
+    breaks g128)."""
+    from pathlib import Path
+
+    from quantize.arch import arch_for
+    from quantize.engine import is_skipped
+    from quantize.preflight import plan
+    from quantize.source import ModelSource, read_config
+
+    cfg = read_config(ModelSource("x", Path(__file__).resolve().parents[2] / "bench" / "configs" / "qwen3-30b-a3b",
+                                  "dir"))
+    for name, kernel in (("qwen3-30b-a3b-awq-g128", "awq_marlin"), ("qwen3-30b-a3b-gptq-g128", "gptq_marlin")):
+        r = load_recipe(name)
+        assert r.dtype == "bfloat16" and r.q_group_size == 128
+        p = plan(cfg, arch_for(cfg), r, is_skipped)
+        assert len(p.convert) == 48 * (4 + 128 * 3)
+        assert not any(n.endswith("mlp.gate") for n in p.convert)
+        assert {lc.cuda_kernel for lc in p.layers} == {kernel}
+        assert p.tp_sizes == [1, 2]
+
+
 def test_gptq_kernel_is_an_advanced_option(tmp_path):
     ok = write_recipe(tmp_path / "k.yaml", **{**BASE, "name": "k", "method": "gptq", "zero_point": False,
                                               "advanced": {"gptq": {"kernel": "torch"}}})
