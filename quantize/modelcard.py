@@ -165,21 +165,16 @@ def render(manifest: dict, report: dict | None = None) -> str:
 def _experts(m: dict) -> list[str]:
     """For a mixture of experts: per layer, how many calibration tokens the router gave its experts and which
     ones took the minimum-token rule (docs/MOE.md); [] for a dense model. The counts are the manifest's."""
-    rows, key, first = [], None, None
-    for key, stats in sorted((k, v) for k, v in m.items() if k.endswith("_stats") and isinstance(v, dict)):
-        layers = sorted((int(i), s["experts"]) for i, s in stats.items()
-                        if str(i).isdigit() and isinstance(s, dict) and "experts" in s)
-        if not layers:
-            continue
-        first = layers[0][1]
-        for i, e in layers:
-            counts = sorted(e["routed_tokens"])
-            took = e["calibrated_on_all_tokens"]
-            rows.append(f"| {i} | {len(counts)} | {counts[0]} | {counts[len(counts) // 2]} | {counts[-1]} | "
-                        f"{', '.join(map(str, took)) if took else 'none'} |")
-        break
-    if not rows:
+    key = f"{m['recipe']['method']}_stats"  # where the runner records a job's per-layer statistics
+    layers = sorted((int(i), s["experts"]) for i, s in (m.get(key) or {}).items() if "experts" in s)
+    if not layers:
         return []
+    rows = []
+    for i, e in layers:
+        counts, took = sorted(e["routed_tokens"]), e["calibrated_on_all_tokens"]
+        rows.append(f"| {i} | {len(counts)} | {counts[0]} | {counts[len(counts) // 2]} | {counts[-1]} | "
+                    f"{', '.join(map(str, took)) if took else 'none'} |")
+    first = layers[0][1]
     return ["## Expert calibration", "",
             f"Each expert is calibrated on the tokens its router sends it, out of {first['tokens']} calibration "
             f"tokens per layer. An expert sent fewer than {first['min_expert_tokens']} (`moe.min_expert_tokens`) "

@@ -123,4 +123,4 @@ def test_a_moe_card_shows_each_layers_routed_tokens_and_the_experts_under_the_ru
 
 def test_a_dense_card_has_no_expert_section(tmp_path):
     stats = {"0": {"self_attn.q_proj": {"loss": 1.0}}}
-    assert "## Expert calibration" not in modelcard.render({**MANIFEST, "gptq_stats": stats})
+    assert "## Expert calibration" not in modelcard.render({**MANIFEST, "awq_stats": stats})  # MANIFEST is AWQ
