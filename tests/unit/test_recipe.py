@@ -124,8 +124,8 @@ def test_gptq_formats_and_bits(tmp_path):
     assert "w_bit 8" in _err(tmp_path, w_bit=8)  # AWQ GEMM is 4-bit only
 
 
-def test_preflight_on_real_shapes():
-    """Qwen2.5 shapes (config only, meta device): kernels and the tensor-parallel trap of 72B's 29568."""
+def _plan_on_real_config(config: str, recipe: str):
+    """The pre-flight plan of a shipped recipe on a real model's config from bench/configs (meta device)."""
     from pathlib import Path
 
     from quantize.arch import arch_for
@@ -133,13 +133,16 @@ def test_preflight_on_real_shapes():
     from quantize.preflight import plan
     from quantize.source import ModelSource, read_config
 
-    cfgs = Path(__file__).resolve().parents[2] / "bench" / "configs"
-    q7 = read_config(ModelSource("x", cfgs / "qwen2.5-7b", "dir"))
-    p = plan(q7, arch_for(q7), load_recipe("qwen7b-gptq-g128"), is_skipped)
+    cfg = read_config(ModelSource("x", Path(__file__).resolve().parents[2] / "bench" / "configs" / config, "dir"))
+    return plan(cfg, arch_for(cfg), load_recipe(recipe), is_skipped)
+
+
+def test_preflight_on_real_shapes():
+    """Qwen2.5 shapes (config only, meta device): kernels and the tensor-parallel trap of 72B's 29568."""
+    p = _plan_on_real_config("qwen2.5-7b", "qwen7b-gptq-g128")
     assert len(p.convert) == 28 * 7 and {lc.cuda_kernel for lc in p.layers} == {"gptq_marlin"}
     assert p.tp_sizes == [1, 2, 4]  # tp 8: o_proj 3584 / 8 = 448 and down_proj 18944 / 8 = 2368 break g128
-    q72 = read_config(ModelSource("x", cfgs / "qwen2.5-72b", "dir"))
-    p72 = plan(q72, arch_for(q72), load_recipe("qwen7b-awq-g128"), is_skipped)
+    p72 = _plan_on_real_config("qwen2.5-72b", "qwen7b-awq-g128")
     assert p72.tp_sizes == [1]  # down_proj 29568 = 128 x 231: any split leaves a partial group of 128
 
 
@@ -147,19 +150,10 @@ def test_moe_recipes_plan_every_expert_on_the_real_shape():
     """Qwen3-30B-A3B's config (meta device): the shipped recipes convert attention and all 128 experts' linears in
     each of 48 layers, keep the routers 16-bit, and tensor parallelism stops at 2 (768-wide experts / 4 = 192
     breaks g128)."""
-    from pathlib import Path
-
-    from quantize.arch import arch_for
-    from quantize.engine import is_skipped
-    from quantize.preflight import plan
-    from quantize.source import ModelSource, read_config
-
-    cfg = read_config(ModelSource("x", Path(__file__).resolve().parents[2] / "bench" / "configs" / "qwen3-30b-a3b",
-                                  "dir"))
     for name, kernel in (("qwen3-30b-a3b-awq-g128", "awq_marlin"), ("qwen3-30b-a3b-gptq-g128", "gptq_marlin")):
         r = load_recipe(name)
         assert r.dtype == "bfloat16" and r.q_group_size == 128
-        p = plan(cfg, arch_for(cfg), r, is_skipped)
+        p = _plan_on_real_config("qwen3-30b-a3b", name)
         assert len(p.convert) == 48 * (4 + 128 * 3)
         assert not any(n.endswith("mlp.gate") for n in p.convert)
         assert {lc.cuda_kernel for lc in p.layers} == {kernel}
