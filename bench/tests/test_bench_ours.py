@@ -21,13 +21,15 @@ def test_one_entry_per_layer_with_positive_seconds(ours_record, tiny_qwen2):
     assert [x["index"] for x in layers] == list(range(n)) and rec["per_layer"]["n"] == n
     for x in layers:
         assert x["seconds"] > 0 and set(x["parts"]) == {"to_device", "fp_forward", "jobs"}
-        assert sum(x["parts"].values()) <= x["seconds"]
+        # every figure is rounded to 0.1 ms, so the parts may overshoot the layer's wall time by that rounding
+        assert sum(x["parts"].values()) <= x["seconds"] + 0.5e-4 * (len(x["parts"]) + 1)
         assert [s["stage"] for s in x["stages"]] == GPTQ_STAGES
         assert all(set(s["seconds"]) == {"hessian", "sweep"} for s in x["stages"])
         assert {s["recipe"] for s in x["stages"]} == {"bench-tiny-gptq"}
     assert rec["per_layer"]["seconds"] == [x["seconds"] for x in layers]
     # the layers are the quantize stage, less the first layer's inputs (embeddings) made before them
-    assert sum(rec["per_layer"]["seconds"]) <= rec["stages_s"]["quantize"]
+    # (layers are rounded to 0.1 ms, stages to 1 ms)
+    assert sum(rec["per_layer"]["seconds"]) <= rec["stages_s"]["quantize"] + 0.5e-3 + 0.5e-4 * n
     total = sum(x["seconds"]["hessian"] + x["seconds"]["sweep"] for layer in layers for x in layer["stages"])
     assert abs(sum(rec["method_seconds"].values()) - total) < 1e-3
 

@@ -36,7 +36,8 @@ def test_shared_pass_writes_the_same_bytes_as_separate_runs(tiny_qwen2, tmp_path
     assert [r.index for r in runlog.layers] == [0, 1]
     for r in runlog.layers:
         assert r.seconds > 0 and set(r.parts) == {"to_device", "fp_forward", "jobs"}
-        assert sum(r.parts.values()) <= r.seconds
+        # every figure is rounded to 0.1 ms, so the parts may overshoot the layer's wall time by that rounding
+        assert sum(r.parts.values()) <= r.seconds + 0.5e-4 * (len(r.parts) + 1)
         stages = [(s.recipe, s.stage, set(s.seconds)) for s in r.stages]
         assert stages == [("v-awq-g32", "awq", {"scale_search", "clip", "quantize"}),
                           ("v-awq-g64", "awq", {"scale_search", "clip", "quantize"})] + \
