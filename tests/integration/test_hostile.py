@@ -334,9 +334,7 @@ def _gguf(path: Path, arch: str) -> Path:
 
 
 def test_unsupported_gguf_refused_from_its_header(tiny_llama, tmp_path, monkeypatch, capsys):
-    """Read from the header: no conversion, nothing written, in well under a second."""
-    import time
-
+    """Read from the header: no conversion, no hash of the whole file, nothing written."""
     from quantize import source
     from quantize.arch import GGUF_ARCHITECTURES, UnsupportedArchitecture
 
@@ -345,10 +343,8 @@ def test_unsupported_gguf_refused_from_its_header(tiny_llama, tmp_path, monkeypa
     monkeypatch.setattr(source, "_convert_gguf", lambda *a: pytest.fail("converted before refusing"))
     monkeypatch.setattr(source, "sha256_file", lambda *a: pytest.fail("hashed the whole file before refusing"))
     f = _gguf(tmp_path / "m.gguf", "gpt2")
-    t0 = time.perf_counter()
     with pytest.raises(UnsupportedArchitecture, match="GGUF architecture 'gpt2'"):
         source.resolve(str(f))
-    assert time.perf_counter() - t0 < 0.5
     recipe = tiny_recipe(tmp_path, f, name="gg", method="rtn")
     rc, msg = _cli(capsys, "preflight", recipe, "--out", tmp_path / "a")
     assert rc == 2 and msg == (f"error: model '{f}': GGUF architecture 'gpt2' (general.architecture) is not "

@@ -35,7 +35,8 @@ def test_unreachable_hub_stops_fast_naming_the_bundled_text(monkeypatch, name):
     t0 = time.perf_counter()
     with pytest.raises(calib.CalibrationError) as e:
         calib.load_text(name)
-    assert time.perf_counter() - t0 < 2.0
+    # the probe's bound plus room for a loaded box; a retrying client would take minutes
+    assert time.perf_counter() - t0 < calib.HUB_PROBE_S + 5.0
     msg = str(e.value)
     assert "cannot be reached" in msg and "`calibration.dataset: groups-merged`" in msg
     assert ("mit-han-lab/pile-val-backup" if name == "pileval" else name) in msg
