@@ -162,11 +162,65 @@ def render(manifest: dict, report: dict | None = None) -> str:
     return str(card)
 
 
+EXPERT_PLOT = "experts.png"  # a MoE artifact's heatmap of routed calibration tokens, linked from the card
+
+
+def _stats_key(m: dict) -> str:
+    return f"{m['recipe']['method']}_stats"  # where the runner records a job's per-layer statistics
+
+
+def expert_layers(m: dict) -> list[tuple[int, dict]]:
+    """[(layer index, its `experts` record)] in layer order from the manifest's statistics; [] for a dense model."""
+    return sorted((int(i), s["experts"]) for i, s in (m.get(_stats_key(m)) or {}).items() if "experts" in s)
+
+
+def plot_experts(m: dict, path: Path) -> list[list[int]] | None:
+    """A MoE manifest's routed calibration tokens as a heatmap (a row per layer, a column per expert; a cross
+    marks an expert under `moe.min_expert_tokens`, calibrated on all tokens) written to `path` -> the matrix
+    drawn; None for a dense model, or when matplotlib (the `plots` extra) is not installed."""
+    layers = expert_layers(m)
+    if not layers:
+        return None
+    try:
+        import matplotlib
+    except ImportError:
+        log.warning("matplotlib is not installed: no %s (the counts are in manifest.json)", path.name)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    matrix = [list(e["routed_tokens"]) for _, e in layers]
+    n_layers, n_exp = len(matrix), max(len(r) for r in matrix)
+    fig, ax = plt.subplots(figsize=(min(16.0, max(6.0, 3.0 + 0.1 * n_exp)), min(12.0, max(3.5, 2.0 + 0.22 * n_layers))))
+    cmap = plt.get_cmap("viridis").with_extremes(bad="white")  # no token: a log scale has no place for 0
+    # a log scale: a router's favourites take many times the median, which a linear scale would flatten
+    im = ax.imshow(matrix, aspect="auto", cmap=cmap, interpolation="nearest",
+                   norm=LogNorm(vmin=min((x for r in matrix for x in r if x > 0), default=1),
+                                vmax=max(2, max(max(r) for r in matrix))))
+    under = [(e, row) for row, (_, rec) in enumerate(layers) for e in rec["calibrated_on_all_tokens"]]
+    if under:
+        ax.scatter([e for e, _ in under], [r for _, r in under], marker="x", s=18, color="tab:red")
+    if n_exp <= 32:
+        ax.set_xticks(range(n_exp))
+    if n_layers <= 48:  # beyond that the default ticks (row = layer index) stay readable
+        ax.set_yticks(range(n_layers), [str(i) for i, _ in layers])
+    ax.set_xlabel("expert")
+    ax.set_ylabel("layer")
+    fig.colorbar(im, ax=ax, label="routed calibration tokens (white: none)")
+    ax.set_title(f"Calibration tokens the router sent each expert, of {layers[0][1]['tokens']} per layer\n"
+                 f"x: under {layers[0][1]['min_expert_tokens']} (moe.min_expert_tokens), calibrated on all tokens",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})  # no version stamp: the same counts, the same bytes
+    plt.close(fig)
+    return matrix
+
+
 def _experts(m: dict) -> list[str]:
     """For a mixture of experts: per layer, how many calibration tokens the router gave its experts and which
     ones took the minimum-token rule (docs/MOE.md); [] for a dense model. The counts are the manifest's."""
-    key = f"{m['recipe']['method']}_stats"  # where the runner records a job's per-layer statistics
-    layers = sorted((int(i), s["experts"]) for i, s in (m.get(key) or {}).items() if "experts" in s)
+    key, layers = _stats_key(m), expert_layers(m)
     if not layers:
         return []
     rows = []
@@ -180,7 +234,9 @@ def _experts(m: dict) -> list[str]:
             f"tokens per layer. An expert sent fewer than {first['min_expert_tokens']} (`moe.min_expert_tokens`) "
             f"is calibrated on all of them instead. Each expert's count is in `manifest.json` under `{key}`.", "",
             "| layer | experts | fewest tokens | median | most | calibrated on all tokens |",
-            "|---:|---:|---:|---:|---:|---|", *rows, ""]
+            "|---:|---:|---:|---:|---:|---|", *rows, "",
+            *([f"![Routed calibration tokens per layer and expert]({m['expert_plot']})", ""]
+              if m.get("expert_plot") else [])]
 
 
 def _serve(m: dict) -> list[str]:

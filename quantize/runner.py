@@ -368,6 +368,8 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
             "pass_seconds": run.pass_seconds,  # the quantize stage's time: device upload, FP forwards, jobs
             **({"distributed": run.provenance["distributed"]} if "distributed" in run.provenance else {}),
         }
+        if modelcard.plot_experts(extras, tmp / modelcard.EXPERT_PLOT) is not None:
+            extras["expert_plot"] = modelcard.EXPERT_PLOT
         (tmp / "README.md").write_text(modelcard.render(extras))
         return extras
 

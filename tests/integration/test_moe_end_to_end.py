@@ -13,12 +13,13 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from eval.artifact import empty_model, load_dequantized
-from quantize import awq, gptq, runner
+from quantize import awq, gptq, modelcard, runner
 from quantize.arch import all_linears, arch_for, checkpoint_name, get_module
 from quantize.capture import LayerData, first_layer_inputs
 from quantize.engine import Job, expert_tokens, norm_consumers
 from quantize.recipe import load_recipe
 from quantize.experts import ExpertList, split_experts
+from quantize.files import sha256_file
 from tests.conftest import build_tiny_model, heldout_ids, kl_divergence, tiny_recipe
 
 KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -80,7 +81,7 @@ def test_reader_matches_transformers_and_the_source(artifacts, moe_models, kind,
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_artifact_tensors_and_token_counts(artifacts, kind, variant):
+def test_artifact_tensors_and_token_counts(artifacts, kind, variant, tmp_path):
     out = artifacts[(kind, variant)]
     config = AutoConfig.from_pretrained(out)
     arch = arch_for(config)
@@ -111,6 +112,11 @@ def test_artifact_tensors_and_token_counts(artifacts, kind, variant):
         counts = sorted(rec["routed_tokens"])  # the model card's row for the layer shows the same counts
         assert f"\n| {i} | {n_exp} | {counts[0]} | {counts[n_exp // 2]} | {counts[-1]} | " in \
             (out / "README.md").read_text()
+    # the heatmap next to the table is the manifest's counts drawn, listed (and hashed) with the other files
+    assert m["expert_plot"] == "experts.png" and "](experts.png)" in (out / "README.md").read_text()
+    assert m["files"]["experts.png"]["sha256"] == sha256_file(out / "experts.png")
+    assert modelcard.plot_experts(m, tmp_path / "again.png") is not None
+    assert (tmp_path / "again.png").read_bytes() == (out / "experts.png").read_bytes()
 
 
 def _scaled_logits(model_dir, ids, leave_out: str | None = None):

@@ -124,3 +124,24 @@ def test_a_moe_card_shows_each_layers_routed_tokens_and_the_experts_under_the_ru
 def test_a_dense_card_has_no_expert_section(tmp_path):
     stats = {"0": {"self_attn.q_proj": {"loss": 1.0}}}
     assert "## Expert calibration" not in modelcard.render({**MANIFEST, "awq_stats": stats})  # MANIFEST is AWQ
+    assert modelcard.plot_experts({**MANIFEST, "awq_stats": stats}, tmp_path / "e.png") is None
+    assert not (tmp_path / "e.png").exists()
+
+
+def test_the_expert_heatmap_draws_the_manifests_counts_and_the_card_links_it(tmp_path):
+    from matplotlib.image import imread
+
+    stats = {str(i): {"experts": {"tokens": 1024, "routed_tokens": [700 - i, 0, 1300, 50 + i],
+                                  "min_expert_tokens": 128, "calibrated_on_all_tokens": [1, 3]}} for i in range(3)}
+    m = {**MANIFEST, "awq_stats": stats}
+    drawn = modelcard.plot_experts(m, tmp_path / "a.png")
+    assert drawn == [stats[str(i)]["experts"]["routed_tokens"] for i in range(3)]
+    img = imread(tmp_path / "a.png")
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100 and img[..., :3].std() > 0.05
+    modelcard.plot_experts(m, tmp_path / "b.png")  # no timestamp or version inside: the same counts, same bytes
+    assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()
+    stats["2"]["experts"]["routed_tokens"][0] = 9
+    modelcard.plot_experts(m, tmp_path / "c.png")
+    assert (tmp_path / "a.png").read_bytes() != (tmp_path / "c.png").read_bytes()
+    assert "](experts.png)" in modelcard.render({**m, "expert_plot": "experts.png"})
+    assert "](experts.png)" not in modelcard.render(m)  # no plot written (matplotlib absent): no dead link
