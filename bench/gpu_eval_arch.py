@@ -9,7 +9,7 @@ device (tiny untrained models: their perplexities say nothing about quality). JS
 KIND: a tiny kind of tests/conftest.py (TINY) or a dense model of tests/integration/test_architectures.py (MODELS),
 each built by that file's own builder, in the dtype its tests use.
 """
-import json, os, subprocess, sys, time
+import argparse, json, os, subprocess, sys, time
 from pathlib import Path
 sys.path.insert(0, os.getcwd())
 from transformers import AutoConfig
@@ -19,11 +19,12 @@ from tests.integration.test_architectures import MODELS, build
 out = Path(os.environ.get("OUT", "/tmp/o")); work = Path("/tmp/gea"); work.mkdir(exist_ok=True)
 rows = []
 env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "") + ":" + os.getcwd(), "HF_HUB_OFFLINE": "1"}
-args = sys.argv[1:]
-COMPARE = "--no-compare" not in args
-DEVICE = args[args.index("--device") + 1] if "--device" in args else "cuda"
-KINDS = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or args[i - 1] != "--device")] \
-    or ["qwen3_moe", "mixtral", "qwen2_moe"]
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("kinds", nargs="*", default=["qwen3_moe", "mixtral", "qwen2_moe"], metavar="KIND")
+ap.add_argument("--no-compare", dest="compare", action="store_false", help="skip `pipeline compare`")
+ap.add_argument("--device", default="cuda", help="the recipes' device (default cuda)")
+args = ap.parse_args()
+COMPARE, DEVICE, KINDS = args.compare, args.device, args.kinds
 for kind in KINDS:
     if kind in MODELS:
         m, dt = build(work / kind, kind), MODELS[kind][4]
@@ -31,7 +32,7 @@ for kind in KINDS:
         m = build_tiny_model(work / kind, kind, hidden=128, intermediate=256, layers=2)
         dt = "float16" if "float16" in arch_for(AutoConfig.from_pretrained(m)).serve_dtypes else "bfloat16"
     else:
-        raise SystemExit(f"error: no tiny model {kind!r}; kinds: {sorted(TINY) + sorted(MODELS)}")
+        raise SystemExit(f"error: no tiny model {kind!r}; kinds: {sorted({*TINY, *MODELS})}")
     for method, over in (("awq", {}), ("gptq", dict(method="gptq", zero_point=False))):
         r = tiny_recipe(work, m, name=f"{kind}-{method}", device=DEVICE, dtype=dt,
                         eval=dict(perplexity=dict(dataset="wikitext2", seq_len=256, max_windows=8)), **over)
