@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from quantize import engine, recipe as recipe_mod, runner
+from quantize import recipe as recipe_mod, runner
+from quantize.methods import awq_layer
 
 
 def _variant(base: recipe_mod.Recipe, label: str, overrides: str) -> recipe_mod.Recipe:
@@ -31,9 +32,9 @@ def _variant(base: recipe_mod.Recipe, label: str, overrides: str) -> recipe_mod.
 
 
 def share_scale_search() -> dict:
-    """engine._search_group memoised per (layer, scale group, search settings) -> the cache (for its size)."""
+    """awq_layer._search_group memoised per (layer, scale group, search settings) -> the cache (for its size)."""
     cache: dict = {}
-    search = engine._search_group
+    search = awq_layer._search_group
 
     def shared(data, g, quantized, chosen, recipe, spec):
         opts = recipe.awq
@@ -44,7 +45,7 @@ def share_scale_search() -> dict:
             cache[key] = search(data, g, quantized, chosen, recipe, spec)
         return cache[key]
 
-    engine._search_group = shared
+    awq_layer._search_group = shared
     return cache
 
 

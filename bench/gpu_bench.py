@@ -183,8 +183,8 @@ def job_command(job: str, model: str, args) -> list[str]:
 def extrapolate(record: dict, total_layers: int) -> dict:
     """Our per-layer time on a few layers -> the quantize stage for all `total_layers` layers, and a bound on the
     whole pass's peak GPU memory: one layer is on the GPU at a time, but the results (codes, scales, zeros) stay
-    on the device until they fill `engine.RESULTS_DEVICE_SHARE` of it, then go to the host."""
-    from quantize.engine import RESULTS_DEVICE_SHARE
+    on the device until they fill `methods.layer.RESULTS_DEVICE_SHARE` of it, then go to the host."""
+    from quantize.methods.layer import RESULTS_DEVICE_SHARE
 
     per = record["per_layer"]["mean_after_first_s"]
     total = record.get("gpu_total_gib")

@@ -13,7 +13,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from quantize import formats, runner
+from quantize import formats, methods, runner
 from quantize.manifest import MANIFEST
 from quantize.modelcard import protocol_sentence
 from quantize.paths import child
@@ -145,8 +145,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                            (axes[1], "bytes_on_disk", "size on disk (MB)")):
         for r in pts:
             x = r[key] / 1e6 if key == "bytes_on_disk" else r[key]
-            ax.scatter(x, r["delta_ppl_pct"], s=40, color="tab:blue" if r["method"] == "awq" else
-                       "tab:orange" if r["method"] == "gptq" else "tab:gray")
+            ax.scatter(x, r["delta_ppl_pct"], s=40, color=_colour(r["method"]))
             ax.annotate(f"{r['method']} g{r['group_size']}", (x, r["delta_ppl_pct"]), textcoords="offset points",
                         xytext=(5, 4), fontsize=8)
         ax.set_xlabel(label)
@@ -228,3 +227,8 @@ def run_comparison(recipe_names: list[str], out_root: Path, force: bool = False,
     doc = write_comparison(name, artifacts, Path(out_root), {"recipes": recipe_names, "timings_s": timings,
                                                              "eval_failed": failed})
     return doc, 3 if failed else 0
+
+
+def _colour(method: str) -> str:
+    """A method's colour in the comparison plot (grey for one not registered in this process)."""
+    return methods.REGISTRY[method].colour if method in methods.REGISTRY else "tab:gray"

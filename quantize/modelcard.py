@@ -14,7 +14,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from . import formats, serve_config
+from . import formats, methods, serve_config
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ EXPERT_PLOT = "experts.png"  # a MoE artifact's heatmap of routed calibration to
 
 
 def _stats_key(m: dict) -> str:
-    return f"{m['recipe']['method']}_stats"  # where the runner records a job's per-layer statistics
+    return methods.stats_key(m["recipe"]["method"])  # where the runner records a job's per-layer statistics
 
 
 def expert_layers(m: dict) -> list[tuple[int, dict]]:

@@ -27,14 +27,17 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from . import formats
+from . import formats, methods
+from .errors import UserError
+from .methods.awq import AwqOptions
+from .methods.gptq import GptqOptions
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 GROUP_SIZES = (-1, 32, 64, 128)  # -1 = per output channel (formats/ says which take it)
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError, ValueError):
     """A recipe a user wrote is wrong; the message says what to change."""
 
 
@@ -52,46 +55,6 @@ class Calibration(_Strict):
     split: str | None = None  # hub datasets only; default per dataset
     text_column: str = "text"
     subset: str | None = None  # hub dataset configuration name (e.g. wikitext-2-raw-v1)
-
-
-class AwqOptions(_Strict):
-    """AWQ search settings (grid, clip and propagation defaults follow AutoAWQ 0.2.9).
-
-    search_tokens is justified in docs/BENCHMARKS.md; `search_tokens: null` (with advanced.awq.coarse_step 1,
-    its default) is AutoAWQ's exhaustive search over every calibration token.
-    """
-
-    n_grid: int = Field(20, gt=1)  # ratios α = i / n_grid, i = 0 .. n_grid - 1
-    duo_scaling: bool = True
-    apply_clip: bool = True
-    clip_grid: int = Field(20, gt=1)
-    max_shrink: float = Field(0.5, gt=0, lt=1)
-    propagate: Literal["fp", "quantized"] = "fp"  # which layer output feeds the next layer's calibration
-    # grid loss measured on a seeded random subset of whole calibration batches holding at least this many
-    # tokens (null = every token); mean|X| always uses every token
-    search_tokens: int | None = Field(16384, gt=0)
-    # clip candidates: "symmetric" = AutoAWQ's ±max|w| shrink; "per_side" adds shrinking max and min on their
-    # own (zero-point grids; a symmetric grid depends on max|w| alone, so there both are the same search).
-    # per_side + refit_iters 2: SmolLM2 g64 24.20 -> 23.92 ppl (16 windows) for ~2.3x the clip search's time,
-    # a few % of the AWQ stage on the CPU (docs/BENCHMARKS.md, 2026-12-01)
-    clip_search: Literal["symmetric", "per_side"] = "per_side"
-    # least-squares refits of each group's scale to its codes on the group output error (0 = off; a group
-    # keeps a refit scale only where it lowers that error)
-    refit_iters: int = Field(2, ge=0)
-    # how codes are chosen on the clip grid: round to nearest, or GPTQ's error feedback through the scaled
-    # inputs' Hessian (settings from the `gptq:` section; static groups, so the format is unchanged). Not the
-    # default: better on SmolLM2 (23.61 vs 23.92), worse on Gemma 3 270M (30.65 vs 29.97), and it adds a Hessian
-    # and a GPTQ sweep per linear to every layer (timed by bench/gpu_bench.py --only ours-awq,ours-awq-gptq)
-    rounding: Literal["rtn", "gptq"] = "rtn"
-
-
-class GptqOptions(_Strict):
-    """GPTQ settings (defaults follow the GPTQ paper / AutoGPTQ)."""
-
-    damp_percent: float = Field(0.01, gt=0, lt=1)  # raised x10 automatically (with a warning) if H is not PD
-    act_order: bool = True  # static: columns by descending diag(H), groups kept contiguous
-    true_sequential: bool = True  # q/k/v, then o, then gate/up, then down, each on quantized predecessors
-    block_size: int = Field(128, gt=0)  # lazy-batch width of the column sweep
 
 
 MIN_EXPERT_TOKENS = 128  # one GPTQ block / AWQ group of columns sees at least this many samples
@@ -222,16 +185,19 @@ class Recipe(_Strict):
     base: str | None = None
     description: str = ""
     model: str
-    method: Literal["awq", "gptq", "rtn"]
+    method: str  # a registered method (quantize/methods): awq | gptq | rtn
     w_bit: int = 4
     q_group_size: int = 128
     zero_point: bool = True  # AutoAWQ's key; false = symmetric (code inside the package says `symmetric`)
-    format: Literal[("auto", *formats.NAMES)] = "auto"  # auto: formats.default_for(method)
+    format: Literal[("auto", *formats.NAMES)] = "auto"  # auto: the method's default format
     version: str = "gemm"  # AWQ kernel layout (format awq)
     on_indivisible: Literal["error", "skip"] = "error"  # a layer whose in_features the group size does not divide
     calibration: Calibration = Calibration()
+    # the built-in methods' sections, declared so that they keep their place in recipe.yaml; a method registered
+    # beside them brings its own section, validated by its `options` model and kept in `sections`
     awq: AwqOptions = AwqOptions()
     gptq: GptqOptions = GptqOptions()
+    sections: dict[str, Any] = Field(default_factory=dict, exclude=True)
     eval: EvalOptions = EvalOptions()
     serve: ServeOptions = ServeOptions()
     modules_to_not_convert: tuple[str, ...] = ("lm_head",)
@@ -246,6 +212,22 @@ class Recipe(_Strict):
     trust_remote_code: bool = False
     advanced: Advanced = Advanced()
     moe: MoeOptions | None = None  # mixture-of-experts settings; None = the defaults (`MoeOptions`)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _method_sections(cls, data: Any) -> Any:
+        """Move the sections of registered methods that are not declared fields into `sections`."""
+        if not isinstance(data, dict) or "sections" in data:
+            return data
+        own = {n: data[n] for n in methods.names() if n not in cls.model_fields and n in data}
+        return {**{k: v for k, v in data.items() if k not in own}, "sections": own} if own else data
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, v: str) -> str:
+        if v not in methods.REGISTRY:
+            raise ValueError(f"method {v!r} is unknown; use one of {methods.names()}")
+        return v
 
     @field_validator("q_group_size")
     @classmethod
@@ -274,7 +256,7 @@ class Recipe(_Strict):
     @property
     def out_format(self) -> str:
         """The on-disk format actually written."""
-        return formats.default_for(self.method).name if self.format == "auto" else self.format
+        return methods.get(self.method).default_format if self.format == "auto" else self.format
 
     @model_validator(mode="after")
     def _served_by_vllm(self) -> "Recipe":
@@ -284,17 +266,35 @@ class Recipe(_Strict):
         if self.advanced.awq.coarse_step >= self.awq.n_grid:
             raise ValueError(f"advanced.awq.coarse_step {self.advanced.awq.coarse_step} must be below awq.n_grid "
                              f"{self.awq.n_grid} (1 evaluates every grid point)")
-        if self.method == "gptq" or (self.method == "awq" and self.awq.rounding == "gptq"):
-            b, g = self.gptq.block_size, self.q_group_size
-            if g != -1 and b % g and g % b:
-                raise ValueError(f"gptq.block_size {b} and q_group_size {g}: one must divide the other")
+        for name, given in self.sections.items():
+            if name not in methods.REGISTRY or name in type(self).model_fields:
+                raise ValueError("key `sections` is not a recipe key; write a method's options under its name")
+            try:
+                methods.get(name).options(**(given or {}))
+            except ValidationError as e:
+                raise ValueError(f"`{name}`: " + "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
+                                                        for x in e.errors())) from None
+        problem = methods.get(self.method).problem(self)
+        if problem:
+            raise ValueError(problem)
         return self
+
+    def method_options(self, name: str) -> Any:
+        """The options section of registered method `name` (its `options` model, defaults where not given)."""
+        if name in type(self).model_fields:
+            return getattr(self, name)
+        return methods.get(name).options(**self.sections.get(name, {}))
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe as plain data (what the artifact records); `moe` only when it was set."""
         d = self.model_dump(mode="json")
         if d["moe"] is None:
             del d["moe"]
+        if self.sections:  # a registered method's own section, after the built-in ones
+            keys = list(d)
+            at = keys.index("gptq") + 1
+            own = {n: self.method_options(n).model_dump(mode="json") for n in self.sections}
+            d = {**{k: d[k] for k in keys[:at]}, **own, **{k: d[k] for k in keys[at:]}}
         return d
 
     @property

@@ -14,14 +14,15 @@ from typing import Any
 
 import torch
 
-from . import calib, export, integrity, modelcard, serve_config, source
+from . import calib, export, integrity, methods, modelcard, serve_config, source
 from .arch import Arch, UnsupportedArchitecture, arch_for, checkpoint_name
 from .experts import split_experts
 from .capture import run_shared
 from .device import configure_allocator
 from .distributed import Dist
 from .checkpoint import Checkpointer, fingerprint
-from .engine import DTYPES, Job, feature_names, is_skipped, propagation
+from .job import DTYPES, Job, feature_names
+from .methods.layer import is_skipped
 from .pack import pack_all
 from .lock import output_lock
 from .paths import check_output_parent, child
@@ -118,7 +119,7 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
             raise UnsupportedArchitecture(f"{e}; to add it, the table in quantize/arch.py needs: "
                                           f"{table_lacks(config, first.trust_remote_code)}") from None
         integrity.check_tensors(src, config, arch, first.trust_remote_code)
-        if not any(r.method in ("awq", "gptq") for r in recipes):  # calibration loads it otherwise
+        if not any(methods.get(r.method).calibrates for r in recipes):  # calibration loads it otherwise
             source.load_tokenizer(src, first.trust_remote_code)  # an artifact without a usable tokenizer is refused
         plans = [_plan_and_log(r, config, arch) for r in recipes]
         copied = sum((src.path / f).stat().st_size for f in source.TOKENIZER_FILES if (src.path / f).is_file())
@@ -130,7 +131,7 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
     checked = Checked(src, config, arch, plans, device, compute_dtype, free)
     if run:
         checked.cuda_allocator = configure_allocator(device)  # before the run's first CUDA allocation
-    if any(r.method in ("awq", "gptq") for r in recipes):
+    if any(methods.get(r.method).calibrates for r in recipes):
         with timings.stage("calibrate"):
             checked.samples, checked.calib_record = _calibration(first, src)
     return checked
@@ -140,11 +141,15 @@ def _checkpoint_bytes(recipes: list[Recipe], config, plans: list[Plan]) -> int:
     """Estimate of a checkpoint's peak size: carried activations (float32, per chain) + the codes, scales and
     zeros so far (at most about the artifacts' own size); it lives until the artifacts are written."""
     r = recipes[0]
-    if r.checkpoint_every_s is None or all(propagation(x) == "none" for x in recipes):
+    if r.checkpoint_every_s is None or all(_propagation(x) == "none" for x in recipes):
         return 0
-    chains = 1 + sum(propagation(x) == "quantized" for x in recipes)
+    chains = 1 + sum(_propagation(x) == "quantized" for x in recipes)
     return r.calibration.n_samples * r.calibration.seq_len * config.hidden_size * 4 * chains + \
         sum(p.tensor_bytes for p in plans)
+
+
+def _propagation(recipe: Recipe) -> str:
+    return methods.get(recipe.method).propagation(recipe)
 
 
 def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False) -> str:
@@ -359,7 +364,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
             "skipped_linears": the_plan.skipped,
             "tensor_parallel_sizes": the_plan.tp_sizes,
             "serve": serve,
-            f"{recipe.method}_stats": {str(k): v for k, v in job.stats.items()},
+            job.method.stats_key: {str(k): v for k, v in job.stats.items()},
             "shared_pass": run.shared,
             "device": str(run.device), "compute_dtype": str(run.compute_dtype).removeprefix("torch."),
             "cuda_allocator": run.provenance["cuda_allocator"],

@@ -33,7 +33,9 @@ def marlin_misfit(in_f: int, out_f: int, group: int) -> str:
 
 def _act_order(recipe) -> bool:
     """Columns were quantized in activation order (static: groups stay contiguous)."""
-    return recipe.method == "gptq" and recipe.gptq.act_order
+    from .. import methods
+
+    return methods.get(recipe.method).static_act_order(recipe)
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,6 @@ class Format:
     bits: tuple[int, ...]  # w_bit values vLLM serves in this format
     group_sizes: tuple[int, ...]  # q_group_size values it serves (-1 = per output channel)
     symmetric_only: bool  # vLLM refuses its checkpoints with zero points
-    default_for: tuple[str, ...]  # methods whose `format: auto` writes this format
     packed_tensor: str  # the int32 code tensor whose presence marks a converted linear
     tensors: tuple[str, ...]  # every tensor suffix a converted linear may have
     served_as: tuple[str, str]  # vLLM --quantization: when every linear takes Marlin, and otherwise
@@ -195,7 +196,7 @@ class CompressedTensors(Format):
 
 AWQ = AwqGemm(
     name="awq", quant_method="awq", title="AutoAWQ GEMM (quant_method awq)", bits=(4,),
-    group_sizes=(32, 64, 128), symmetric_only=False, default_for=("awq", "rtn"), packed_tensor="qweight",
+    group_sizes=(32, 64, 128), symmetric_only=False, packed_tensor="qweight",
     tensors=("qweight", "qzeros", "scales"), served_as=("awq_marlin", "awq"),
     reported_as=frozenset({"awq", "awq_marlin", "auto_awq"}), pack_along_out=8,
     refused_versions=(
@@ -207,14 +208,13 @@ AWQ = AwqGemm(
 )
 GPTQ = Gptq(
     name="gptq", quant_method="gptq", title="GPTQ v1 (quant_method gptq)", bits=(4, 8),
-    group_sizes=(-1, 32, 64, 128), symmetric_only=True, default_for=("gptq",), packed_tensor="qweight",
+    group_sizes=(-1, 32, 64, 128), symmetric_only=True, packed_tensor="qweight",
     tensors=("qweight", "qzeros", "scales", "g_idx"), served_as=("gptq_marlin", "gptq"),
     reported_as=frozenset({"gptq", "gptq_marlin", "auto_gptq"}), index_bytes_per_input=4,
 )
 COMPRESSED_TENSORS = CompressedTensors(
     name="compressed-tensors", quant_method="compressed-tensors", title="compressed-tensors pack-quantized",
-    bits=(4, 8), group_sizes=(-1, 32, 64, 128), symmetric_only=False, default_for=(),
-    packed_tensor="weight_packed",
+    bits=(4, 8), group_sizes=(-1, 32, 64, 128), symmetric_only=False, packed_tensor="weight_packed",
     tensors=("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
     served_as=("compressed-tensors", "compressed-tensors"),
     reported_as=frozenset({"compressed-tensors", "compressed_tensors"}),
@@ -229,11 +229,6 @@ def get(name: str) -> Format:
     if name not in REGISTRY:
         raise ValueError(f"format {name!r} is unknown; use one of {list(NAMES)}")
     return REGISTRY[name]
-
-
-def default_for(method: str) -> Format:
-    """The format `format: auto` writes for a method."""
-    return next(f for f in REGISTRY.values() if method in f.default_for)
 
 
 def by_quant_method(quant_method: str | None) -> Format | None:

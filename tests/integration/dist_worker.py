@@ -15,7 +15,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline import cli  # noqa: E402
-from quantize import awq, engine  # noqa: E402
+from quantize import awq  # noqa: E402
+from quantize.methods import awq_layer  # noqa: E402
 from quantize.capture import NumericalError  # noqa: E402
 
 MESSAGE = "injected failure on this rank"
@@ -27,13 +28,13 @@ def _inject(where: str) -> None:
             raise NumericalError(f"clip search: {MESSAGE}")
         awq.search_clip = failing_clip
     elif where == "layer":
-        original = engine.awq_layer
+        original = awq_layer.awq_layer
 
         def failing_layer(data, *args, **kwargs):
             if data.index == 1:
                 raise NumericalError(f"decoder layer 2: {MESSAGE}")
             return original(data, *args, **kwargs)
-        engine.awq_layer = failing_layer
+        awq_layer.awq_layer = failing_layer
     else:
         raise SystemExit(f"DIST_TEST_FAIL: unknown place {where!r}")
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from eval.artifact import load_dequantized, read_tensors
-from quantize import engine, runner
+from quantize import runner
+from quantize.job import feature_names
+from quantize.methods import awq_layer
 from quantize.arch import ARCHITECTURES, attn_implementation, decoder_layers
 from quantize.capture import run_shared
 from quantize.recipe import load_recipe
@@ -142,8 +144,8 @@ class _FoldOnly:
         self.layers: dict[int, torch.nn.Module] = {}
 
     def process(self, data) -> None:
-        chosen, _ = engine.search_layer_scales(data, self.arch, self.recipe, set(self.arch.linears))
-        engine.fold_scales(data, self.arch, chosen)
+        chosen, _ = awq_layer.search_layer_scales(data, self.arch, self.recipe, set(self.arch.linears))
+        awq_layer.fold_scales(data, self.arch, chosen)
         self.scales[data.index] = {g.prev: s for g, s in chosen}
 
     def keep(self, index: int, layer) -> None:
@@ -155,7 +157,7 @@ def _folded(model, arch, recipe) -> tuple[torch.nn.Module, _FoldOnly]:
     folded = copy.deepcopy(model)
     job = _FoldOnly(arch, recipe)
     samples = torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
-    run_shared(folded, arch, samples, torch.device("cpu"), torch.float64, 2, engine.feature_names(arch), [job])
+    run_shared(folded, arch, samples, torch.device("cpu"), torch.float64, 2, feature_names(arch), [job])
     for i, layer in job.layers.items():
         decoder_layers(folded, arch)[i].load_state_dict(layer.state_dict())
     return folded, job

@@ -16,7 +16,9 @@ from eval.artifact import empty_model, load_dequantized
 from quantize import awq, gptq, modelcard, runner
 from quantize.arch import all_linears, arch_for, checkpoint_name, get_module
 from quantize.capture import LayerData, first_layer_inputs
-from quantize.engine import Job, expert_tokens, norm_consumers
+from quantize.job import Job
+from quantize.methods.awq_layer import norm_consumers
+from quantize.methods.layer import expert_tokens
 from quantize.recipe import load_recipe
 from quantize.experts import ExpertList, split_experts
 from quantize.files import sha256_file

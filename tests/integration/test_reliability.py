@@ -123,7 +123,7 @@ def test_untied_model_reports_untied(tiny_llama):
     from transformers import AutoConfig
 
     from quantize.arch import arch_for
-    from quantize.engine import is_skipped
+    from quantize.methods.layer import is_skipped
     from quantize.recipe import Recipe
 
     cfg = AutoConfig.from_pretrained(tiny_llama)

@@ -79,21 +79,21 @@ def test_killed_run_resumes_and_writes_identical_files(deep_qwen2, tmp_path, met
 def test_checkpoint_of_another_run_is_discarded(deep_qwen2, tmp_path, monkeypatch, caplog):
     """Crash (fault injection) after layer 4 of one recipe, then change the recipe: the stale checkpoint must be
     discarded and the result equal a clean run of the changed recipe."""
-    from quantize import engine
+    from quantize import job
 
     first = tiny_recipe(tmp_path, deep_qwen2, name="ck", checkpoint_every_s=0)
-    real = engine.Job.process
+    real = job.Job.process
 
     def crash_at_5(self, data: LayerData):
         if data.index == 4:
             raise RuntimeError("injected crash")
         return real(self, data)
 
-    monkeypatch.setattr(engine.Job, "process", crash_at_5)
+    monkeypatch.setattr(job.Job, "process", crash_at_5)
     with pytest.raises(RuntimeError, match="injected crash"):
         runner.run(first, out_root=tmp_path / "o")
     assert json.loads((tmp_path / "o" / ".ck.checkpoint" / "state.json").read_text())["next_layer"] == 4
-    monkeypatch.setattr(engine.Job, "process", real)
+    monkeypatch.setattr(job.Job, "process", real)
 
     changed = tiny_recipe(tmp_path, deep_qwen2, name="ck", checkpoint_every_s=0, awq=dict(n_grid=5, clip_grid=5))
     with caplog.at_level("WARNING"):
@@ -104,9 +104,9 @@ def test_checkpoint_of_another_run_is_discarded(deep_qwen2, tmp_path, monkeypatc
 
 
 def _crash_after_layer_4(monkeypatch, recipe, out_root):
-    from quantize import engine
+    from quantize import job
 
-    real = engine.Job.process
+    real = job.Job.process
 
     def crash_at_5(self, data: LayerData):
         if data.index == 4:
@@ -114,7 +114,7 @@ def _crash_after_layer_4(monkeypatch, recipe, out_root):
         return real(self, data)
 
     with monkeypatch.context() as m:
-        m.setattr(engine.Job, "process", crash_at_5)
+        m.setattr(job.Job, "process", crash_at_5)
         with pytest.raises(RuntimeError, match="injected crash"):
             runner.run(recipe, out_root=out_root)
 

@@ -199,7 +199,7 @@ def test_refit_scales_lowers_group_error_and_never_loses():
 
 
 def test_search_batches_seeded_subset_of_whole_batches():
-    from quantize.engine import _rows, search_batches
+    from quantize.methods.layer import rows_of as _rows, search_batches
 
     sizes = [4096] * 15 + [2048]  # 128 x 512 tokens in batches of 8, last one short
     picked = search_batches(sizes, 16384, seed=0)

@@ -4,7 +4,7 @@ own rules (what it serves, its config, the kernel each linear gets)."""
 import pytest
 import torch
 
-from quantize import formats
+from quantize import formats, methods
 from quantize.primitives import dequantize, quantize_for_export
 from quantize.recipe import Recipe
 
@@ -13,7 +13,8 @@ BASE = dict(name="x", model="some/model", w_bit=4, q_group_size=64)
 
 def test_registry_lookups():
     assert formats.NAMES == ("awq", "gptq", "compressed-tensors")
-    assert [formats.default_for(m).name for m in ("awq", "rtn", "gptq")] == ["awq", "awq", "gptq"]
+    assert [methods.get(m).default_format for m in ("awq", "rtn", "gptq")] == ["awq", "awq", "gptq"]
+    assert all(methods.get(m).default_format in formats.NAMES for m in methods.names())
     assert formats.by_quant_method("compressed-tensors") is formats.COMPRESSED_TENSORS
     assert formats.by_quant_method("fp8") is None and formats.by_quant_method(None) is None
     with pytest.raises(ValueError, match=r"'gguf' is unknown; use one of \['awq', 'gptq', 'compressed-tensors'\]"):

@@ -129,7 +129,7 @@ def _plan_on_real_config(config: str, recipe: str):
     from pathlib import Path
 
     from quantize.arch import arch_for
-    from quantize.engine import is_skipped
+    from quantize.methods.layer import is_skipped
     from quantize.preflight import plan
     from quantize.source import ModelSource, read_config
 

@@ -1,0 +1,80 @@
+"""AWQ (Lin et al. 2023): activation-aware scales folded into the preceding op, clip search, then rounding.
+
+The method's facts and recipe section (`awq:`); its per-layer job is `awq_layer.py`, its maths `quantize/awq.py`.
+AWQ's GPTQ rounding (`awq.rounding: gptq`) is an option of this method: it reads the `gptq:` section's settings.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from . import Method
+from .options import Strict
+
+
+class AwqOptions(Strict):
+    """AWQ search settings (grid, clip and propagation defaults follow AutoAWQ 0.2.9).
+
+    search_tokens is justified in docs/BENCHMARKS.md; `search_tokens: null` (with advanced.awq.coarse_step 1,
+    its default) is AutoAWQ's exhaustive search over every calibration token.
+    """
+
+    n_grid: int = Field(20, gt=1)  # ratios α = i / n_grid, i = 0 .. n_grid - 1
+    duo_scaling: bool = True
+    apply_clip: bool = True
+    clip_grid: int = Field(20, gt=1)
+    max_shrink: float = Field(0.5, gt=0, lt=1)
+    propagate: Literal["fp", "quantized"] = "fp"  # which layer output feeds the next layer's calibration
+    # grid loss measured on a seeded random subset of whole calibration batches holding at least this many
+    # tokens (null = every token); mean|X| always uses every token
+    search_tokens: int | None = Field(16384, gt=0)
+    # clip candidates: "symmetric" = AutoAWQ's ±max|w| shrink; "per_side" adds shrinking max and min on their
+    # own (zero-point grids; a symmetric grid depends on max|w| alone, so there both are the same search).
+    # per_side + refit_iters 2: SmolLM2 g64 24.20 -> 23.92 ppl (16 windows) for ~2.3x the clip search's time,
+    # a few % of the AWQ stage on the CPU (docs/BENCHMARKS.md, 2026-12-01)
+    clip_search: Literal["symmetric", "per_side"] = "per_side"
+    # least-squares refits of each group's scale to its codes on the group output error (0 = off; a group
+    # keeps a refit scale only where it lowers that error)
+    refit_iters: int = Field(2, ge=0)
+    # how codes are chosen on the clip grid: round to nearest, or GPTQ's error feedback through the scaled
+    # inputs' Hessian (settings from the `gptq:` section; static groups, so the format is unchanged). Not the
+    # default: better on SmolLM2 (23.61 vs 23.92), worse on Gemma 3 270M (30.65 vs 29.97), and it adds a Hessian
+    # and a GPTQ sweep per linear to every layer (timed by bench/gpu_bench.py --only ours-awq,ours-awq-gptq)
+    rounding: Literal["rtn", "gptq"] = "rtn"
+
+
+class Awq(Method):
+    name = "awq"
+    title = "AWQ"
+    options = AwqOptions
+    default_format = "awq"
+    colour = "tab:blue"
+
+    def propagation(self, recipe) -> str:
+        return recipe.awq.propagate
+
+    def wants_features(self, recipe) -> bool:
+        return True
+
+    def problem(self, recipe) -> str | None:
+        if recipe.awq.rounding == "gptq":
+            from .gptq import block_problem
+
+            return block_problem(recipe)
+        return None
+
+    def layer(self, data, job) -> dict:
+        from . import awq_layer
+
+        return awq_layer.awq_layer(data, job.arch, job.recipe, job.convert, job.scale_dtype, job.results, job.runlog,
+                                   job.dist)
+
+    def experts(self, data, job) -> dict:
+        from . import awq_layer
+
+        return awq_layer.awq_moe(data, job.arch, job.recipe, job.convert, job.scale_dtype, job.results)
+
+
+AWQ = Awq()

@@ -1,0 +1,61 @@
+"""GPTQ (Frantar et al. 2022): each linear's columns quantized in turn, the error fed back through the inverse
+Hessian of its calibration inputs, every layer on the outputs of the already quantized ones.
+
+The method's facts and recipe section (`gptq:`); its per-layer job is `gptq_layer.py`, its maths
+`quantize/gptq.py`.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from . import Method
+from .options import Strict
+
+
+class GptqOptions(Strict):
+    """GPTQ settings (defaults follow the GPTQ paper / AutoGPTQ)."""
+
+    damp_percent: float = Field(0.01, gt=0, lt=1)  # raised x10 automatically (with a warning) if H is not PD
+    act_order: bool = True  # static: columns by descending diag(H), groups kept contiguous
+    true_sequential: bool = True  # q/k/v, then o, then gate/up, then down, each on quantized predecessors
+    block_size: int = Field(128, gt=0)  # lazy-batch width of the column sweep
+
+
+def block_problem(recipe) -> str | None:
+    """The sweep's block and the quantization group must nest (GPTQ proper, and AWQ's GPTQ rounding)."""
+    b, g = recipe.gptq.block_size, recipe.q_group_size
+    if g != -1 and b % g and g % b:
+        return f"gptq.block_size {b} and q_group_size {g}: one must divide the other"
+    return None
+
+
+class Gptq(Method):
+    name = "gptq"
+    title = "GPTQ"
+    options = GptqOptions
+    default_format = "gptq"
+    colour = "tab:orange"
+
+    def propagation(self, recipe) -> str:
+        return "quantized"
+
+    def problem(self, recipe) -> str | None:
+        return block_problem(recipe)
+
+    def static_act_order(self, recipe) -> bool:
+        return recipe.gptq.act_order
+
+    def layer(self, data, job) -> dict:
+        from . import gptq_layer
+
+        return gptq_layer.gptq_layer(data, job.arch, job.recipe, job.convert, job.scale_dtype, job.results,
+                                     job.runlog, job.dist)
+
+    def experts(self, data, job) -> dict:
+        from . import gptq_layer
+
+        return gptq_layer.gptq_moe(data, job.arch, job.recipe, job.convert, job.scale_dtype, job.results)
+
+
+GPTQ = Gptq()

@@ -1,0 +1,167 @@
+"""GPTQ's per-layer job: per sequential stage, Hessians of the inputs (on quantized predecessors), then the
+column sweep of `quantize/gptq.py`; a mixture-of-experts block expert by expert on its routed tokens.
+
+Under several ranks the Hessians are summed over the ranks' shares of the batches and each sweep's rows are
+split between them (docs/DISTRIBUTED.md).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import gptq
+from ..arch import Arch, layer_prefix
+from ..capture import LayerData, feed_inputs
+from ..device import clock as _clock
+from ..device import gptq_sweep, side_stream
+from ..distributed import Dist
+from ..runlog import RunLog
+from .layer import QuantResult, expert_hidden, feature_of, local_linears, moe_linears, routing, store, store_rows, \
+    unit_inputs, units
+
+log = logging.getLogger(__name__)
+
+
+def gptq_spec(recipe, scale_dtype: torch.dtype) -> gptq.GptqSpec:
+    o, fast = recipe.gptq, recipe.advanced.gptq
+    return gptq.GptqSpec(recipe.w_bit, recipe.q_group_size, recipe.symmetric, o.block_size, o.damp_percent,
+                         o.act_order, scale_dtype, fast.update)
+
+
+def _summed_hessians(data: LayerData, keys: list[str], dist: Dist) -> dict[str, torch.Tensor]:
+    """The Hessians 2·XᵀX / n of the inputs of linears `keys` over every rank's tokens: each rank sums xᵀx over
+    its share of the batches (`gptq.HessianAccumulator.add_sum`: float32 sums, half-precision inputs through
+    float32-accumulating products, wide inputs by the upper blocks), the sums are added over ranks and divided
+    by the total token count once. Exact sums, not a mean of means; the additions run in another order than one
+    process's running mean, so H differs from it in the last bits (docs/DISTRIBUTED.md: what that does)."""
+    layer, mine = data.layer, dist.span(len(data.inputs))
+    accs = {k: gptq.HessianAccumulator(layer.get_submodule(k).in_features, data.inputs[0].device) for k in keys}
+    if len(mine):
+        dist.agree(lambda: feed_inputs(layer, data.inputs[mine.start : mine.stop],
+                                       data.kwargs[mine.start : mine.stop], keys, lambda k, x: accs[k].add_sum(x)))
+    else:
+        dist.agree(lambda: None)
+    n = sum(t.shape[0] * t.shape[1] for t in data.inputs)
+    return {k: acc.reduced(dist.all_sum, n) for k, acc in accs.items()}
+
+
+def _row_split_solve(problems: list[tuple[torch.Tensor, torch.Tensor]], spec: gptq.GptqSpec, sweep, device,
+                     dist: Dist) -> list[gptq.GptqResult]:
+    """`gptq.gptq_quantize_many` with each problem's rows split over the ranks (rows are independent given H:
+    every rank factorises the same H, sweeps its contiguous share of the rows) -> the results, rows joined."""
+    def fields(x: gptq.GptqResult) -> tuple:
+        return x.codes, x.scales, x.zeros, x.row_loss, x.damp_used, x.dead_columns, x.kernel
+
+    def mine():
+        spans = [dist.span(w.shape[0]) for w, _ in problems]
+        todo = [(w[r.start : r.stop], h) for (w, h), r in zip(problems, spans) if len(r)]
+        solved = iter(gptq.gptq_quantize_many(todo, spec, sweep=sweep, side=side_stream(device)) if todo else [])
+        return [fields(next(solved)) if len(r) else None for r in spans]
+    parts = dist.gather(dist.attempt(mine))
+    out = []
+    for i in range(len(problems)):
+        got = [p[i] for p in parts if p[i] is not None]
+        codes, scales, zeros, row_loss = (torch.cat([g[j] for g in got]) for j in range(4))
+        out.append(gptq.GptqResult(codes, scales, zeros, max(g[4] for g in got), got[0][5], row_loss, got[0][6]))
+    return out
+
+
+def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype: torch.dtype,
+               results: dict[str, QuantResult], runlog: RunLog | None = None, dist: Dist | None = None) -> dict:
+    """GPTQ for one decoder layer: per stage, accumulate Hessians (on quantized predecessors), quantize.
+    Each stage's Hessian and sweep seconds go to runlog. dist: Hessians summed over the ranks' shares of the
+    batches (`_summed_hessians`), each sweep's rows split over the ranks (`_row_split_solve`)."""
+    layer, opts = data.layer, recipe.gptq
+    local = local_linears(arch, data.index, convert)
+    stages = arch.sequential if opts.true_sequential else (tuple(arch.linears),)
+    input_of = feature_of(arch)
+    spec = gptq_spec(recipe, scale_dtype)
+    stats: dict = {}
+    device = data.inputs[0].device
+    sweep = gptq_sweep(recipe.advanced.gptq.kernel, device)
+    seconds = {"hessian": 0.0, "sweep": 0.0}
+    losses: dict[str, torch.Tensor] = {}  # read back once per layer, not once per linear (each read waits)
+    for stage in stages:
+        names = [n for n in stage if n in local]
+        if not names:
+            continue
+        t0 = _clock(device)
+        keys = sorted({input_of[n] for n in names}, key=arch.linears.index)  # one Hessian per shared input
+        if dist is None:
+            accs = {k: gptq.HessianAccumulator(layer.get_submodule(k).in_features, data.inputs[0].device)
+                    for k in keys}
+            feed_inputs(layer, data.inputs, data.kwargs, keys, lambda k, x: accs[k].add(x))
+            hessians = {k: accs[k].H for k in keys}
+        else:
+            hessians = _summed_hessians(data, keys, dist)
+        t1 = _clock(device)
+        seconds["hessian"] += t1 - t0
+        groups = [[n for n in names if input_of[n] == key] for key in keys]  # linears sharing one Hessian
+        weights = [[layer.get_submodule(n).weight.data for n in shared] for shared in groups]
+        # one sweep over the row-concatenated weights of each group; independent groups (one-pass Hessians)
+        # overlap on CUDA
+        problems = [(torch.cat(w), hessians[k]) for w, k in zip(weights, keys)]
+        if dist is None:
+            solved = gptq.gptq_quantize_many(problems, spec, sweep=sweep, side=side_stream(device))
+        else:
+            solved = _row_split_solve(problems, spec, sweep, device, dist)
+        for shared, ws, r in zip(groups, weights, solved):
+            rows = [w.shape[0] for w in ws]
+            parts = zip(*([p.clone() for p in t.split(rows)] for t in (r.codes, r.scales, r.zeros, r.row_loss)))
+            for n, (codes, scales, zeros, row_loss) in zip(shared, parts):
+                store(layer, n, layer_prefix(arch, data.index), codes, scales.to(scale_dtype), zeros, results)
+                losses[n] = row_loss.sum()
+                stats[n] = {"damp": r.damp_used, "dead_columns": r.dead_columns, "kernel": r.kernel}
+        t2 = _clock(device)
+        seconds["sweep"] += t2 - t1
+        log.debug("layer %d stage %s: hessian %.4f s, sweep %.4f s", data.index + 1, "+".join(names), t1 - t0,
+                  t2 - t1)
+        if runlog is not None:
+            runlog.stage(data.index, recipe.name, "+".join(names), hessian=t1 - t0, sweep=t2 - t1)
+    if losses:
+        for n, loss in zip(losses, torch.stack(list(losses.values())).tolist()):
+            stats[n] = {"loss": loss, **stats[n]}
+    stats["seconds"] = {k: round(v, 4) for k, v in seconds.items()}
+    return stats
+
+
+def gptq_moe(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype: torch.dtype,
+             results: dict[str, QuantResult]) -> dict:
+    """GPTQ for a MoE block on the quantized attention's output: each MLP in turn (the shared expert on every
+    token, each routed expert on its routed tokens): gate and up on one Hessian, then down on the quantized
+    gate/up's output. One expert's Hessian and inputs are held at a time -> stats."""
+    layer, x_ = data.layer, arch.experts
+    local = set(moe_linears(layer, arch, data.index, convert))
+    if not local:
+        return {}
+    parts: list[torch.Tensor] = []
+    feed_inputs(layer, data.inputs, data.kwargs, [x_.router], lambda _n, h: parts.append(h.reshape(-1, h.shape[-1])))
+    x = torch.cat(parts)  # [T, H]
+    del parts
+    _, rows, record = routing(layer, arch, x, recipe)
+    spec, device = gptq_spec(recipe, scale_dtype), x.device
+    sweep, side = gptq_sweep(recipe.advanced.gptq.kernel, device), side_stream(device)
+    losses, dead = [], 0
+    for path, e in units(layer, arch):
+        xe = unit_inputs(x, rows, e)
+        mlp = layer.get_submodule(path)
+        for stage in (("gate_proj", "up_proj"), ("down_proj",)):
+            names = [n for n in stage if f"{path}.{n}" in local]
+            if not names:
+                continue
+            with torch.no_grad():
+                z = xe if stage[0] == "gate_proj" else expert_hidden(mlp, xe)  # [n, in]
+            acc = gptq.HessianAccumulator(z.shape[1], device)
+            acc.add(z)
+            del z
+            ws = [mlp.get_submodule(n).weight.data for n in names]
+            (r,) = gptq.gptq_quantize_many([(torch.cat(ws), acc.H)], spec, sweep=sweep, side=side)
+            del acc
+            store_rows(layer, [f"{path}.{n}" for n in names], layer_prefix(arch, data.index), r, scale_dtype,
+                        results)
+            losses.append(r.row_loss.sum())
+            dead += r.dead_columns
+    return {"experts": {**record, "loss": float(torch.stack(losses).sum()) if losses else 0.0,
+                        "dead_columns": dead}}
