@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from quantize.calib import hub_offline
+from quantize.errors import UserError
 from quantize.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -41,20 +42,27 @@ C4_SHARD = "en/c4-validation.00000-of-00008.json.gz"  # the shard the GPTQ paper
 C4_DOCS = 1100
 
 
+class EvalInputError(UserError, ValueError):
+    """An eval input (text, window length, base model) that cannot be scored; shown as `error: eval: ...`."""
+
+    def __str__(self) -> str:
+        return f"eval: {super().__str__()}"
+
+
 def load_eval_text(dataset: str) -> tuple[str, str]:
     """'wikitext2', 'c4' (hub only: first 1100 documents of the first English validation shard, joined with
     "\n\n") or a local .txt path -> (text, source)."""
     if dataset == "c4":
         if hub_offline():
-            raise FileNotFoundError("perplexity dataset 'c4' needs the Hugging Face hub (HF_HUB_OFFLINE=1 is set); "
-                                    "use wikitext2 or a local .txt file")
+            raise EvalInputError("perplexity dataset 'c4' needs the Hugging Face hub (HF_HUB_OFFLINE=1 is set); "
+                                 "use wikitext2 or a local .txt file")
         import datasets
 
         ds = datasets.load_dataset("allenai/c4", data_files={"validation": C4_SHARD}, split="validation")
         return "\n\n".join(ds.select(range(C4_DOCS))["text"]), f"hub:allenai/c4/{C4_SHARD}[:{C4_DOCS}]"
     path = BUNDLED.get(dataset, Path(dataset))
     if not path.is_file():
-        raise FileNotFoundError(f"perplexity dataset {dataset!r}: use wikitext2, c4 (hub) or a local .txt file")
+        raise EvalInputError(f"perplexity dataset {dataset!r}: use wikitext2, c4 (hub) or a local .txt file")
     return path.read_text(encoding="utf-8"), str(path)
 
 
@@ -65,8 +73,8 @@ def windows(tokenizer, text: str, protocol: Protocol) -> torch.Tensor:
     if protocol.max_windows is not None:
         n = min(n, protocol.max_windows)
     if n == 0:
-        raise ValueError(f"perplexity text {protocol.dataset!r} has {ids.numel()} tokens, fewer than one window of "
-                         f"{protocol.seq_len}; lower eval.perplexity.seq_len or use a longer eval.perplexity.dataset")
+        raise EvalInputError(f"perplexity text {protocol.dataset!r} has {ids.numel()} tokens, fewer than one "
+                             f"window of {protocol.seq_len}; lower eval.perplexity.seq_len or use a longer eval.perplexity.dataset")
     return ids[: n * protocol.seq_len].reshape(n, protocol.seq_len)  # [n, seq]
 
 

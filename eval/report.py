@@ -30,7 +30,7 @@ from quantize import manifest as manifest_file
 
 from . import refcache
 from .artifact import load_dequantized
-from .perplexity import Protocol, batch_windows, load_eval_text, perplexity, protocol_record, windows
+from .perplexity import EvalInputError, Protocol, batch_windows, load_eval_text, perplexity, protocol_record, windows
 from .smoke import smoke, vllm_unavailable
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     manifest = manifest_file.read(artifact)
     base_spec = base_spec or manifest.get("model", {}).get("spec")
     if not base_spec:
-        raise ValueError(f"{artifact}: no manifest names its base model; pass --base <model spec>")
+        raise EvalInputError(f"{artifact}: no manifest names its base model; pass --base <model spec>")
     peak_reset = _reset_host_peak()
     timings: dict[str, float] = {}
     ctx = _context(artifact, base_spec, manifest, compute_dtype, cache)

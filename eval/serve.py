@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from quantize.errors import UserError
 from quantize import serve_config
 
 from .vllm_run import VllmError, cuda_build, root_cause, vllm_env
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CPU_MEMORY_FRACTION = 0.3  # the CPU build reserves this share of host RAM (VLLM.md)
 
 
-class ServeError(RuntimeError):
+class ServeError(UserError, RuntimeError):
     """A request the server refused, with what to change."""
 
 

@@ -22,8 +22,10 @@ from pathlib import Path
 
 import torch
 
+from quantize.errors import UserError
 
-class VllmError(RuntimeError):
+
+class VllmError(UserError, RuntimeError):
     pass
 
 

@@ -16,32 +16,11 @@ import threading
 from contextlib import ExitStack
 from pathlib import Path
 
-import torch
-
-from quantize import distributed, runner
-from quantize.arch import UnsupportedArchitecture
-from quantize.calib import CalibrationError
-from quantize.capture import NumericalError
-from quantize.distributed import DistributedError
-from quantize.export import DiskFullError, ExportError, NonFiniteTensorError, OutputExistsError
-from quantize.lock import OutputLockedError, output_lock
-from quantize.manifest import ArtifactError
-from quantize.paths import UnsafePathError, check_output_parent, child
-from quantize.preflight import PreflightError
+# torch, transformers and vLLM take seconds to import: `--help`, `list` and `validate` import none of them, so
+# everything that does is imported inside the command that needs it
+from quantize.errors import UserError
+from quantize.paths import check_output_parent, child
 from quantize.recipe import EvalOptions, RecipeError, list_recipes, load_recipe, load_variants
-from quantize.source import ModelSourceError
-
-from . import registry, stages
-from .compare import run_comparison
-from .registry import RegistryError
-
-# Errors a user can cause: printed as one clear message, exit code 2, no traceback (`--debug` shows it).
-# Anything else is a bug and keeps its traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (RecipeError, PreflightError, ModelSourceError, CalibrationError,
-                                                UnsupportedArchitecture, OutputExistsError, FileNotFoundError,
-                                                RegistryError, OutputLockedError, DiskFullError, NumericalError,
-                                                UnsafePathError, ExportError, ArtifactError, NonFiniteTensorError,
-                                                DistributedError)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -108,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def run_eval(artifact: Path, base: str | None, eopts, cache: dict | None = None) -> int:
     """The eval stage on one artifact, its report written into it; prints the figures -> exit code 0 or 3."""
+    from . import stages
+
     r = stages.evaluate(artifact, base, eopts, cache=cache)
     p = r["perplexity"]
     print(f"perplexity FP16 {p['fp16']['ppl']:.4f}  quantized {p['quantized']['ppl']:.4f}  "
@@ -135,18 +116,24 @@ def _eval_command(args) -> int:
     else:
         raise RecipeError("give a recipe name or --artifact DIR")
     if not (artifact / "config.json").is_file():
-        raise FileNotFoundError(f"{artifact} is not an artifact directory (no config.json); run make quantize first")
+        from quantize.manifest import ArtifactError
+
+        raise ArtifactError(f"{artifact} is not an artifact directory (no config.json); run make quantize first")
     if args.max_windows:
         eopts = eopts.model_copy(update={"perplexity": eopts.perplexity.model_copy(
             update={"max_windows": args.max_windows})})
     if args.no_vllm:
         eopts = eopts.model_copy(update={"vllm": eopts.vllm.model_copy(update={"enabled": False})})
+    from quantize.lock import output_lock
+
     with output_lock(artifact):  # no quantize run replaces the artifact while it is being scored
         return run_eval(artifact, args.base, eopts)
 
 
 def is_out_of_memory(e: BaseException) -> bool:
     """torch's CUDA OOM, or a RuntimeError saying so (older torch, other allocators, the CPU allocator)."""
+    import torch
+
     if isinstance(e, torch.cuda.OutOfMemoryError):
         return True
     msg = str(e).lower()
@@ -170,9 +157,20 @@ def oom_message(e: BaseException, recipe_name: str, during_eval: bool = False) -
             f"`calibration.seq_len`{now}; or set `device: cpu` to quantize in host memory (slower).")
 
 
+def _world_size() -> int:
+    """The number of ranks torchrun started (1 without torchrun, where `distributed` need not import torch)."""
+    if "WORLD_SIZE" not in os.environ:
+        return 1
+    from quantize import distributed
+
+    return distributed.world_size()
+
+
 def main(argv: list[str] | None = None) -> int:
     code = _main_handled(argv)
-    if distributed.world_size() > 1:  # a torchrun worker: see `distributed.leave`
+    if _world_size() > 1:  # a torchrun worker: see `distributed.leave`
+        from quantize import distributed
+
         distributed.leave(code)
     return code
 
@@ -180,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main_handled(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     # under torchrun rank 0 tells the story; the others speak only of trouble
-    quiet = distributed.world_size() > 1 and os.environ.get("RANK", "0") != "0"
+    quiet = _world_size() > 1 and os.environ.get("RANK", "0") != "0"
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     handled = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
@@ -200,6 +198,9 @@ def _main_handled(argv: list[str] | None) -> int:
 def _run_command(args, recipe) -> int:
     """`run`: quantize, then evaluate unless the recipe or --no-eval says not to. Under torchrun (WORLD_SIZE > 1)
     every rank quantizes its share; rank 0 alone holds the lock, writes the artifact and evaluates it."""
+    from quantize import distributed, runner
+    from quantize.lock import output_lock
+
     dist = distributed.init_from_env()
     try:
         writer = dist is None or dist.rank == 0
@@ -225,8 +226,8 @@ def _run_command(args, recipe) -> int:
             if recipe.eval.enabled and not args.no_eval:
                 try:
                     return run_eval(out, None, recipe.eval)
-                except (ValueError, RuntimeError) as e:
-                    e.during_eval = True  # the caller words an eval failure as one
+                except RuntimeError as e:
+                    e.during_eval = True  # an out-of-memory message then says the artifact was written
                     raise
         return 0
     finally:
@@ -234,70 +235,82 @@ def _run_command(args, recipe) -> int:
 
 
 def _main(args) -> int:
-    during_eval = False
     try:
-        if args.cmd != "run" and distributed.world_size() > 1:
-            raise DistributedError(f"`{args.cmd}` runs in one process; only `run` is spread over ranks: start it "
-                                   f"without torchrun")
-        if args.cmd == "list":
-            for name in list_recipes():
-                vs = load_variants(name)
-                r = vs[0]
-                sweep = f"  (sweep: {', '.join(v.name for v in vs)})" if len(vs) > 1 else ""
-                print(f"{name:28s} {r.method} w{r.w_bit} g{r.q_group_size} {r.model}{sweep}")
-            return 0
-        if args.cmd == "validate":
-            failed = 0
-            for name in args.recipes or list_recipes():
-                try:
-                    n = len(load_variants(name))
-                    print(f"ok      {name}" + (f" (sweep of {n} variants)" if n > 1 else ""))
-                except RecipeError as e:
-                    failed += 1
-                    print(f"INVALID {e}")
-            return 1 if failed else 0
-        if args.cmd == "eval":
-            during_eval = True
-            return _eval_command(args)
-        if args.cmd == "compare":
-            doc, code = run_comparison(args.recipes, Path(args.out), args.force, not args.no_eval, args.name)
-            print(Path(args.out) / f"compare-{doc['name']}.md")
-            return code
-        if args.cmd == "register":
-            if not (args.recipe or args.artifact):
-                raise RecipeError("give a recipe name or --artifact DIR")
-            artifact = Path(args.artifact) if args.artifact else child(args.out, args.recipe, "recipe name")
-            if not artifact.is_dir():
-                raise FileNotFoundError(f"{artifact} does not exist; run make quantize RECIPE=... first")
-            with output_lock(artifact):  # no run replaces it while it is checked and copied
-                res = registry.register(artifact, True if args.by_reference else None, args.storage_uri)
-            print(f"registered {res['name']} version {res['version']} in {res['tracking_uri']} "
-                  f"(source {res['source']})")
-            return 0
-        if args.cmd == "registry":
-            rows = registry.versions(args.name)
-            print(json.dumps(rows, indent=2) if args.json else registry.table(rows))
-            return 0
-        if args.cmd == "preflight":
-            print(runner.preflight_only(args.recipe, out_root=args.out, force=args.force))
-            return 0
-        recipe = load_recipe(args.recipe)
-        check_output_parent(args.out)
-        return _run_command(args, recipe)
-    except USER_ERRORS as e:
+        return _command(args)
+    except UserError as e:
         if args.debug:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:  # what the eval stage raises for its inputs
-        during_eval = during_eval or getattr(e, "during_eval", False)
-        if not during_eval or args.debug:
-            raise
-        print(f"error: eval: {e}", file=sys.stderr)
-        return 2
     except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
-        during_eval = during_eval or getattr(e, "during_eval", False)
         if args.cmd not in ("run", "preflight", "eval") or not is_out_of_memory(e) or args.debug:
             raise
+        during_eval = args.cmd == "eval" or getattr(e, "during_eval", False)
         print(f"error: {oom_message(e, args.recipe, during_eval)}", file=sys.stderr)
         return 2
+
+
+def _command(args) -> int:
+    """Run the parsed command -> exit code; a user's mistake raises a `UserError`."""
+    if args.cmd != "run" and _world_size() > 1:
+        from quantize.distributed import DistributedError
+
+        raise DistributedError(f"`{args.cmd}` runs in one process; only `run` is spread over ranks: start it "
+                               f"without torchrun")
+    if args.cmd == "list":
+        for name in list_recipes():
+            vs = load_variants(name)
+            r = vs[0]
+            sweep = f"  (sweep: {', '.join(v.name for v in vs)})" if len(vs) > 1 else ""
+            print(f"{name:28s} {r.method} w{r.w_bit} g{r.q_group_size} {r.model}{sweep}")
+        return 0
+    if args.cmd == "validate":
+        failed = 0
+        for name in args.recipes or list_recipes():
+            try:
+                n = len(load_variants(name))
+                print(f"ok      {name}" + (f" (sweep of {n} variants)" if n > 1 else ""))
+            except RecipeError as e:
+                failed += 1
+                print(f"INVALID {e}")
+        return 1 if failed else 0
+    if args.cmd == "eval":
+        return _eval_command(args)
+    if args.cmd == "compare":
+        from .compare import run_comparison
+
+        doc, code = run_comparison(args.recipes, Path(args.out), args.force, not args.no_eval, args.name)
+        print(Path(args.out) / f"compare-{doc['name']}.md")
+        return code
+    if args.cmd == "register":
+        return _register_command(args)
+    if args.cmd == "registry":
+        from . import registry
+
+        rows = registry.versions(args.name)
+        print(json.dumps(rows, indent=2) if args.json else registry.table(rows))
+        return 0
+    if args.cmd == "preflight":
+        from quantize import runner
+
+        print(runner.preflight_only(args.recipe, out_root=args.out, force=args.force))
+        return 0
+    recipe = load_recipe(args.recipe)
+    check_output_parent(args.out)
+    return _run_command(args, recipe)
+
+
+def _register_command(args) -> int:
+    from quantize.lock import output_lock
+
+    from . import registry
+
+    if not (args.recipe or args.artifact):
+        raise RecipeError("give a recipe name or --artifact DIR")
+    artifact = Path(args.artifact) if args.artifact else child(args.out, args.recipe, "recipe name")
+    if not artifact.is_dir():
+        raise registry.RegistryError(f"{artifact} does not exist; run make quantize RECIPE=... first")
+    with output_lock(artifact):  # no run replaces it while it is checked and copied
+        res = registry.register(artifact, True if args.by_reference else None, args.storage_uri)
+    print(f"registered {res['name']} version {res['version']} in {res['tracking_uri']} (source {res['source']})")
+    return 0

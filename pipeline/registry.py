@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from quantize.errors import UserError
 from quantize.files import sha256_file
 from quantize.manifest import MANIFEST, ArtifactError, files_fingerprint, verify
 
@@ -30,7 +31,7 @@ EXPERIMENT = "quantize"
 COPY_LIMIT_BYTES = 2 * 2**30  # larger artifacts are registered by reference (their URI), not copied
 
 
-class RegistryError(ValueError):
+class RegistryError(UserError, ValueError):
     """An artifact the registry must refuse, or a registry that cannot be used; the message says why."""
 
 

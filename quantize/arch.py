@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 
 import torch.nn as nn
 
+from .errors import UserError
+
 
 @dataclass(frozen=True)
 class ScaleGroup:
@@ -226,7 +228,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
 }
 
 
-class UnsupportedArchitecture(ValueError):
+class UnsupportedArchitecture(UserError, ValueError):
     pass
 
 

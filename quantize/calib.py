@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import UserError
+
 log = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -38,7 +40,7 @@ OFFLINE_CHOICE = "groups-merged"  # what a message about an unreachable hub offe
 HUB_PROBE_S = 1.5  # an unreachable hub is reported within this, not after minutes of retries
 
 
-class CalibrationError(ValueError):
+class CalibrationError(UserError, ValueError):
     pass
 
 

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 import torch.nn as nn
+from .errors import UserError
 from .arch import Arch, decoder_layers, get_module
 from .device import Uploader, clock, device_copy, release_cache
 from .distributed import Dist
@@ -193,7 +194,7 @@ class LayerJob(Protocol):
     def keep(self, index: int, layer: nn.Module) -> None: ...
 
 
-class NumericalError(FloatingPointError):
+class NumericalError(UserError, FloatingPointError):
     """NaN/inf that upcasting cannot cure; the message names the layer and the cause."""
 
 

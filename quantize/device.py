@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from . import gptq
+from .errors import UserError
 from .preflight import PreflightError
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,10 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream | None":
     return _SIDE_STREAMS[device]
 
 
+class KernelUnavailable(UserError, RuntimeError):
+    """A kernel the recipe asks for cannot run here; the message names the setting to change."""
+
+
 def gptq_sweep(kernel: str, device: torch.device) -> gptq.Sweep:
     """The GPTQ column sweep for `kernel` (auto | torch | triton) on `device`: auto = the Triton kernel on CUDA
     when triton imports, else torch's. Both give the same codes; Triton's is the fast one on a GPU."""
@@ -164,6 +169,6 @@ def gptq_sweep(kernel: str, device: torch.device) -> gptq.Sweep:
         else:
             return gptq.Sweep("triton", gptq_triton.sweep_triton)
     if kernel == "triton":
-        raise RuntimeError(f"advanced.gptq.kernel triton was asked for but cannot run: {why}; "
+        raise KernelUnavailable(f"advanced.gptq.kernel triton was asked for but cannot run: {why}; "
                            f"set advanced.gptq.kernel: torch or auto")
     return gptq.TORCH_SWEEP

@@ -31,6 +31,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from .errors import UserError
 from .preflight import PreflightError
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ TIMEOUT_ENV = "QUANTIZE_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 1800  # a rank waits this long for a peer (a 72B layer's work takes seconds, not minutes)
 
 
-class DistributedError(RuntimeError):
+class DistributedError(UserError, RuntimeError):
     """Another rank failed; the message is that rank's (prefixed by its number)."""
 
 

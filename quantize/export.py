@@ -22,6 +22,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE
 from safetensors.torch import save_file
 
+from .errors import UserError
 from . import manifest
 from .files import fsync_path
 from .preflight import human_bytes
@@ -29,15 +30,15 @@ from .recipe import parse_size
 
 log = logging.getLogger(__name__)
 
-class OutputExistsError(FileExistsError):
+class OutputExistsError(UserError, FileExistsError):
     pass
 
 
-class DiskFullError(OSError):
+class DiskFullError(UserError, OSError):
     """The disk filled up (or a quota was hit) while an artifact was written; nothing was left behind."""
 
 
-class ExportError(OSError):
+class ExportError(UserError, OSError):
     """The operating system refused a write or rename of the artifact (not a full disk); nothing was left behind."""
 
 
@@ -62,7 +63,7 @@ def disk_full_errno(e: BaseException | None) -> int | None:
     return None
 
 
-class NonFiniteTensorError(FloatingPointError):
+class NonFiniteTensorError(UserError, FloatingPointError):
     """A tensor bound for an artifact holds NaN or inf; nothing was written."""
 
 

@@ -19,10 +19,12 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from .errors import UserError
+
 log = logging.getLogger(__name__)
 
 
-class OutputLockedError(RuntimeError):
+class OutputLockedError(UserError, RuntimeError):
     """Another live run is writing the same output."""
 
 

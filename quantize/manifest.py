@@ -13,6 +13,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .errors import UserError
 from .files import atomic_write_text, fsync_path, sha256_file
 
 MANIFEST = "manifest.json"
@@ -20,7 +21,7 @@ CARD = "README.md"  # the model card: re-rendered when the eval adds its numbers
 REPORT_FILES = ("report.json", "report.md")
 
 
-class ArtifactError(ValueError):
+class ArtifactError(UserError, ValueError):
     pass
 
 

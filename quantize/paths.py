@@ -7,8 +7,10 @@ import os
 import tempfile
 from pathlib import Path
 
+from .errors import UserError
 
-class UnsafePathError(ValueError):
+
+class UnsafePathError(UserError, ValueError):
     """A name from a recipe or a flag would put a file outside its parent directory, or the parent is unusable."""
 
 

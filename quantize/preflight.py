@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from .errors import UserError
 from . import formats
 from .arch import ARCHITECTURES, Arch, all_linears, checkpoint_name, decoder_layers, layer_prefix
 from .experts import split_experts
@@ -44,7 +45,7 @@ def cpu_moe_refusal(plan: "Plan") -> str | None:
     return CPU_MOE_REFUSED
 
 
-class PreflightError(ValueError):
+class PreflightError(UserError, ValueError):
     pass
 
 

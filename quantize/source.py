@@ -23,6 +23,7 @@ import torch
 
 from safetensors import SafetensorError, safe_open
 
+from .errors import UserError
 from .arch import attn_implementation, check_gguf_architecture
 from .calib import hub_offline
 from .files import sha256_file
@@ -48,7 +49,7 @@ TOKENIZER_FILES = (
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-class ModelSourceError(ValueError):
+class ModelSourceError(UserError, ValueError):
     pass
 
 

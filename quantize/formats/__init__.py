@@ -11,11 +11,13 @@ compressed_tensors.py, all packed by packing.py. Facts checked on vLLM 0.32 (../
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from ..primitives import dequantize, symmetric_zero
-from . import awq_gemm, compressed_tensors, gptq
+# The facts here import no torch (recipe validation and the command line's light commands read them); the
+# layout modules (awq_gemm, gptq, compressed_tensors) and the decoders' maths are imported where they run.
 
 # vLLM's Marlin kernels (marlin_utils): these group sizes, in_features divisible by 128 and by the group size,
 # out_features divisible by 64
@@ -108,11 +110,15 @@ class AwqGemm(Format):
         return self._group_problem(recipe)
 
     def pack(self, codes, scales, zeros, bits, symmetric):
+        from . import awq_gemm
+
         return awq_gemm.pack(codes, scales, zeros)
 
     def quantization_config(self, recipe, unconverted):
         own = list(recipe.modules_to_not_convert)
         extra = [n for n in unconverted if not any(m in n for m in own)]  # vLLM matches entries as substrings
+        from . import awq_gemm
+
         return awq_gemm.quantization_config(recipe.w_bit, recipe.q_group_size, recipe.symmetric, own + extra)
 
     def read_config(self, qcfg):
@@ -125,6 +131,11 @@ class AwqGemm(Format):
         return bits
 
     def decode(self, tensors, qcfg, bits):
+        import torch
+
+        from ..primitives import dequantize, symmetric_zero
+        from . import awq_gemm
+
         codes, scales, zeros = awq_gemm.unpack(tensors)
         if not qcfg.get("zero_point", True):
             zeros = torch.full_like(zeros, symmetric_zero(bits))  # vLLM ignores qzeros without zero points
@@ -146,10 +157,14 @@ class Gptq(Format):
         return None
 
     def pack(self, codes, scales, zeros, bits, symmetric):
+        from . import gptq
+
         return gptq.pack(codes, scales, zeros, bits)
 
     def quantization_config(self, recipe, unconverted):
         # 16-bit linears need no key: vLLM takes a linear with no integer tensor in the checkpoint as unquantized
+        from . import gptq
+
         o = recipe.gptq
         return gptq.quantization_config(recipe.w_bit, recipe.q_group_size, recipe.symmetric, _act_order(recipe),
                                         o.true_sequential, o.damp_percent)
@@ -160,6 +175,11 @@ class Gptq(Format):
         return int(qcfg["bits"])
 
     def decode(self, tensors, qcfg, bits):
+        import torch
+
+        from ..primitives import dequantize, symmetric_zero
+        from . import gptq
+
         codes, scales, zeros = gptq.unpack(tensors, bits)
         if qcfg.get("sym", True):
             zeros = torch.full_like(zeros, symmetric_zero(bits))  # vLLM ignores qzeros with sym
@@ -173,10 +193,14 @@ class Gptq(Format):
 @dataclass(frozen=True)
 class CompressedTensors(Format):
     def pack(self, codes, scales, zeros, bits, symmetric):
+        from . import compressed_tensors
+
         return compressed_tensors.pack(codes, scales, zeros, bits, symmetric)
 
     def quantization_config(self, recipe, unconverted):
         # vLLM expects packed tensors for every linear `ignore` does not name
+        from . import compressed_tensors
+
         return compressed_tensors.quantization_config(recipe.w_bit, recipe.q_group_size, recipe.symmetric,
                                                       _act_order(recipe), ["lm_head", *unconverted])
 
@@ -187,6 +211,9 @@ class CompressedTensors(Format):
         return int(groups[0]["weights"]["num_bits"])
 
     def decode(self, tensors, qcfg, bits):
+        from ..primitives import dequantize
+        from . import compressed_tensors
+
         return dequantize(*compressed_tensors.unpack(tensors, bits))
 
     def cuda_kernel(self, in_f, out_f, group, symmetric):

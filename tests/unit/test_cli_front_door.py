@@ -1,0 +1,67 @@
+"""The command line's contract: a `UserError`, and only it, becomes one `error:` line and exit 2; the light
+commands (`--help`, `list`, `validate`) import neither torch nor transformers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import cli
+from quantize.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _user_error_classes() -> list[type]:
+    """Every exception class the project defines for its users, from the modules that raise them."""
+    from eval import perplexity, serve, vllm_run
+    from pipeline import registry
+    from quantize import arch, calib, capture, device, distributed, export, lock, manifest, paths, preflight, \
+        recipe, source
+
+    mods = (arch, calib, capture, device, distributed, export, lock, manifest, paths, preflight, recipe, source,
+            perplexity, serve, vllm_run, registry)
+    return [c for m in mods for c in vars(m).values()
+            if isinstance(c, type) and issubclass(c, Exception) and c.__module__ == m.__name__
+            and not c.__name__.startswith("_")]  # private control flow, never shown
+
+
+def test_every_project_error_class_is_a_user_error():
+    found = _user_error_classes()
+    assert len(found) >= 16  # the modules above define at least these many
+    assert [c.__name__ for c in found if not issubclass(c, UserError)] == []
+
+
+def test_a_user_error_is_one_line_and_exit_2_and_anything_else_keeps_its_traceback(monkeypatch, capsys):
+    class Mistake(UserError):
+        pass
+
+    def raises(exc):
+        def command(args):
+            raise exc
+        return command
+
+    monkeypatch.setattr(cli, "_command", raises(Mistake("recipe key `x` is wrong; set it to 1")))
+    assert cli.main(["list"]) == 2
+    assert capsys.readouterr().err == "error: recipe key `x` is wrong; set it to 1\n"
+    monkeypatch.setattr(cli, "_command", raises(ValueError("a bug")))
+    with pytest.raises(ValueError, match="a bug"):  # a ValueError that is no UserError is a bug, not a message
+        cli.main(["list"])
+    monkeypatch.setattr(cli, "_command", raises(Mistake("with its traceback")))
+    with pytest.raises(Mistake):
+        cli.main(["list", "--debug"])
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["list"], ["validate"], ["validate", "smollm2-awq-g64"]])
+def test_the_light_commands_import_no_torch(argv):
+    probe = ("import runpy, sys\n"
+             f"sys.argv = ['quantize', *{argv!r}]\n"
+             "try:\n    runpy.run_module('pipeline', run_name='__main__')\n"
+             "except SystemExit as e:\n    code = e.code\n"
+             "heavy = sorted(m for m in ('torch', 'transformers', 'vllm', 'mlflow') if m in sys.modules)\n"
+             "print('HEAVY', heavy, 'CODE', code, file=sys.stderr)\n")
+    p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "HEAVY [] CODE 0" in p.stderr, p.stderr[-2000:]
