@@ -18,7 +18,6 @@ import torch.nn as nn
 
 from . import gptq
 from .errors import UserError
-from .preflight import PreflightError
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +45,10 @@ CUDA_ALLOCATOR = "expandable_segments:True"
 ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
 
+class AllocatorSettingError(UserError, ValueError):
+    """The user's allocator setting is one torch refuses; found in pre-flight, before the model loads."""
+
+
 def configure_allocator(device: torch.device) -> str | None:
     """Use CUDA_ALLOCATOR for this process's CUDA allocations unless the user set ALLOC_ENV -> the settings in
     force (for the manifest), None off CUDA. Call before the run's first CUDA allocation."""
@@ -58,8 +61,8 @@ def configure_allocator(device: torch.device) -> str | None:
         try:  # parsed again here, so that a typo stops the run before the model loads, not at its first tensor
             setter(user)
         except (ValueError, RuntimeError) as e:
-            raise PreflightError(f"{ALLOC_ENV}={user!r} is not a setting torch's CUDA allocator accepts ({e}); "
-                                 f"correct it, or unset it to use {CUDA_ALLOCATOR}") from e
+            raise AllocatorSettingError(f"{ALLOC_ENV}={user!r} is not a setting torch's CUDA allocator accepts ({e}); "
+                                        f"correct it, or unset it to use {CUDA_ALLOCATOR}") from e
         log.info("CUDA allocator: %s=%r (set by the user, kept)", ALLOC_ENV, user)
         return user
     setter(CUDA_ALLOCATOR)

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from .errors import UserError
-from .preflight import PreflightError
 
 log = logging.getLogger(__name__)
 
@@ -268,8 +267,8 @@ def init_from_env() -> Dist | None:
     cuda = torch.cuda.is_available()
     if cuda:
         if local >= torch.cuda.device_count():
-            raise PreflightError(f"rank {rank}: LOCAL_RANK {local} but only {torch.cuda.device_count()} CUDA devices "
-                                 f"are visible; start at most that many processes per node (--nproc-per-node, GPUS=)")
+            raise DistributedError(f"rank {rank}: LOCAL_RANK {local} but only {torch.cuda.device_count()} CUDA devices "
+                                   f"are visible; start at most that many processes per node (--nproc-per-node, GPUS=)")
         torch.cuda.set_device(local)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))

@@ -258,6 +258,11 @@ class Recipe(_Strict):
         """The on-disk format actually written."""
         return methods.get(self.method).default_format if self.format == "auto" else self.format
 
+    @property
+    def static_act_order(self) -> bool:
+        """Columns are quantized in activation order with groups kept contiguous (what the formats record)."""
+        return methods.get(self.method).static_act_order(self)
+
     @model_validator(mode="after")
     def _served_by_vllm(self) -> "Recipe":
         problem = formats.get(self.out_format).problem(self)

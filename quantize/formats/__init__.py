@@ -34,10 +34,8 @@ def marlin_misfit(in_f: int, out_f: int, group: int) -> str:
 
 
 def _act_order(recipe) -> bool:
-    """Columns were quantized in activation order (static: groups stay contiguous)."""
-    from .. import methods
-
-    return methods.get(recipe.method).static_act_order(recipe)
+    """Columns were quantized in activation order (static: groups stay contiguous): the recipe's method says."""
+    return recipe.static_act_order
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from . import Method
+from .base import Method
+from .gptq import block_problem
 from .options import Strict
 
 
@@ -60,8 +61,6 @@ class Awq(Method):
 
     def problem(self, recipe) -> str | None:
         if recipe.awq.rounding == "gptq":
-            from .gptq import block_problem
-
             return block_problem(recipe)
         return None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from . import Method
+from .base import Method
 from .options import Strict
 
 

@@ -7,7 +7,7 @@ decoder layer, then of its experts, on the linear's own min/max grid.
 
 from __future__ import annotations
 
-from . import Method
+from .base import Method
 
 
 class Rtn(Method):

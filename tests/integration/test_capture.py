@@ -88,10 +88,10 @@ def test_a_mistyped_allocator_setting_stops_the_run_in_preflight(monkeypatch):
     import pytest
 
     from quantize import device
-    from quantize.preflight import PreflightError
+    from quantize.errors import UserError
 
     monkeypatch.setenv(device.ALLOC_ENV, "expandable_segments:maybe")
-    with pytest.raises(PreflightError, match=r"PYTORCH_CUDA_ALLOC_CONF='expandable_segments:maybe' is not a "
-                                             r"setting .*correct it, or unset it"):
+    with pytest.raises(UserError, match=r"PYTORCH_CUDA_ALLOC_CONF='expandable_segments:maybe' is not a "
+                                        r"setting .*correct it, or unset it"):
         device.configure_allocator(torch.device("cuda"))
     assert device.configure_allocator(torch.device("cpu")) is None  # off CUDA the variable is not ours to check

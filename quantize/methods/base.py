@@ -1,0 +1,58 @@
+"""The `Method` every quantization algorithm subclasses: its facts and its per-layer jobs (see methods/__init__.py)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+PROPAGATIONS = ("fp", "quantized", "none")  # what a method's layer inputs are (see `Method.propagation`)
+
+
+class Method:
+    """The facts and the per-layer job of one quantization algorithm (subclass it, then `register` one instance)."""
+
+    name: ClassVar[str]  # the recipe's `method:`
+    title: ClassVar[str] = ""  # how the model card names it
+    options: ClassVar[type | None] = None  # pydantic model of the recipe section `<name>:`; None = no options
+    calibrates: ClassVar[bool] = True  # needs calibration text and layer inputs
+    default_format: ClassVar[str] = "awq"  # the format `format: auto` writes
+    colour: ClassVar[str] = "tab:gray"  # its points in comparison plots
+
+    def propagation(self, recipe) -> str:
+        """What this recipe's layer inputs are: "fp" (the FP model's, shared by every such job in a comparison),
+        "quantized" (its own chain of quantized layers) or "none" (no calibration inputs)."""
+        return "fp" if self.calibrates else "none"
+
+    def wants_features(self, recipe) -> bool:
+        """Whether the capture loop must record the input of every linear (one per shared input) for it."""
+        return False
+
+    def problem(self, recipe) -> str | None:
+        """Why this recipe's settings do not work with this method, saying what to change; None when they do."""
+        return None
+
+    def static_act_order(self, recipe) -> bool:
+        """Whether columns were quantized in activation order (static: groups stay contiguous), as formats record."""
+        return False
+
+    def layer(self, data, job) -> dict:
+        """Quantize the converted linears of one dense decoder layer (`data`: capture.LayerData; `job`: job.Job,
+        whose `results` receive each linear's codes) -> the layer's statistics (JSON-serialisable)."""
+        raise NotImplementedError
+
+    def experts(self, data, job) -> dict:
+        """The same for the layer's mixture-of-experts block (called after `layer`) -> statistics to merge in."""
+        raise NotImplementedError(f"method {self.name} has no job for mixture-of-experts blocks")
+
+    @property
+    def stats_key(self) -> str:
+        """The manifest key holding this method's per-layer statistics."""
+        return stats_key(self.name)
+
+    def section(self, recipe) -> Any:
+        """This recipe's options for the method (an `options` instance), or None when it has none."""
+        return recipe.method_options(self.name) if self.options is not None else None
+
+
+def stats_key(name: str) -> str:
+    """The manifest key holding method `name`'s per-layer statistics (readable without the method registered)."""
+    return f"{name}_stats"
