@@ -54,7 +54,8 @@ def load_eval_text(dataset: str) -> tuple[str, str]:
         return "\n\n".join(ds.select(range(C4_DOCS))["text"]), f"hub:allenai/c4/{C4_SHARD}[:{C4_DOCS}]"
     path = BUNDLED.get(dataset, Path(dataset))
     if not path.is_file():
-        raise FileNotFoundError(f"perplexity dataset {dataset!r}: use wikitext2, c4 (hub) or a local .txt file")
+        raise FileNotFoundError(f"eval.perplexity.dataset {dataset!r}: no such file; use wikitext2, c4 (hub) or "
+                                f"the path of a local .txt file")
     return path.read_text(encoding="utf-8"), str(path)
 
 

@@ -25,7 +25,7 @@ from quantize.capture import NumericalError
 from quantize.distributed import DistributedError
 from quantize.export import DiskFullError, ExportError, NonFiniteTensorError, OutputExistsError
 from quantize.lock import OutputLockedError, output_lock
-from quantize.manifest import ArtifactError
+from quantize.manifest import MANIFEST, ArtifactError, read_json
 from quantize.paths import UnsafePathError, check_output_parent, child
 from quantize.preflight import PreflightError
 from quantize.recipe import EvalOptions, RecipeError, list_recipes, load_recipe, load_variants
@@ -136,6 +136,9 @@ def _eval_command(args) -> int:
         raise RecipeError("give a recipe name or --artifact DIR")
     if not (artifact / "config.json").is_file():
         raise FileNotFoundError(f"{artifact} is not an artifact directory (no config.json); run make quantize first")
+    for name in ("config.json", MANIFEST):  # a damaged file is named before the eval reads it
+        if (artifact / name).is_file():
+            read_json(artifact / name)
     if args.max_windows:
         eopts = eopts.model_copy(update={"perplexity": eopts.perplexity.model_copy(
             update={"max_windows": args.max_windows})})
@@ -211,7 +214,9 @@ def _run_command(args, recipe) -> int:
             else:  # a refused lock on rank 0 stops every rank
                 dist.agree(lambda: take() if writer else None)
             try:
-                out = runner.run(args.recipe, out_root=args.out, force=args.force, locked=True, dist=dist)
+                evaluates = recipe.eval.enabled and not args.no_eval
+                out = runner.run(args.recipe, out_root=args.out, force=args.force, locked=True, dist=dist,
+                                 before_weights=stages.check_eval_inputs if evaluates else None)
             except BaseException as e:  # noqa: BLE001 - the first failing rank's message is the one to show
                 if dist is None:
                     raise
@@ -279,7 +284,8 @@ def _main(args) -> int:
             print(json.dumps(rows, indent=2) if args.json else registry.table(rows))
             return 0
         if args.cmd == "preflight":
-            print(runner.preflight_only(args.recipe, out_root=args.out, force=args.force))
+            print(runner.preflight_only(args.recipe, out_root=args.out, force=args.force,
+                                        before_weights=stages.check_eval_inputs))
             return 0
         recipe = load_recipe(args.recipe)
         check_output_parent(args.out)

@@ -421,19 +421,88 @@ def test_bad_calibration_file_is_one_line_before_weights(tiny_llama, tmp_path, m
 
 # --- eval stage --------------------------------------------------------------------------------------------
 
-def test_perplexity_window_longer_than_the_text(tiny_llama, tmp_path, capsys):
+def test_perplexity_window_longer_than_the_text(tiny_llama, tmp_path, monkeypatch, capsys):
+    """Pre-flight tokenizes the eval text: a window longer than it is refused before any weight loads; the eval
+    command on an existing artifact says the same."""
+    from quantize import source
+
     text = tmp_path / "short.txt"
     text.write_text("Only a few words to score.\n")
     recipe = tiny_recipe(tmp_path, tiny_llama, name="ev", method="rtn",
                          eval=dict(perplexity=dict(dataset=str(text), seq_len=2048), vllm=dict(enabled=False)))
-    rc, msg = _cli(capsys, "run", recipe, "--out", tmp_path / "a")
-    assert rc == 2 and re_match(r"error: eval: perplexity text '.*short.txt' has \d+ tokens, fewer than one window of "
-                                r"2048; lower eval.perplexity.seq_len or use a longer eval.perplexity.dataset$", msg)
-    assert (tmp_path / "a" / "ev" / "manifest.json").is_file()  # the artifact itself was written and stays
+    load = source.load_model
+    monkeypatch.setattr(source, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    for cmd in ("run", "preflight"):
+        rc, msg = _cli(capsys, cmd, recipe, "--out", tmp_path / "a")
+        assert rc == 2 and re_match(r"error: ev: perplexity text '.*short.txt' has \d+ tokens, fewer than one window "
+                                    r"of 2048; lower eval.perplexity.seq_len or use a longer eval.perplexity.dataset "
+                                    r"\(checked before quantizing, as the eval stage would fail\)$", msg), msg
+    assert not (tmp_path / "a" / "ev").exists()
+    monkeypatch.setattr(source, "load_model", load)
+    assert cli.main(["run", str(recipe), "--out", str(tmp_path / "a"), "--no-eval"]) == 0  # no eval: no check
     from tests.conftest import eval_main
 
     assert eval_main([str(recipe), "--out", str(tmp_path / "a"), "--no-vllm"]) == 2
     assert "fewer than one window of 2048; lower eval.perplexity.seq_len" in capsys.readouterr().err
+
+
+def test_missing_eval_text_refused_before_weights(tiny_llama, tmp_path, monkeypatch, capsys):
+    from quantize import source
+
+    monkeypatch.setattr(source, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="ev", method="rtn",
+                         eval=dict(perplexity=dict(dataset=str(tmp_path / "nope.txt")), vllm=dict(enabled=False)))
+    rc, msg = _cli(capsys, "run", recipe, "--out", tmp_path / "a")
+    assert rc == 2 and msg == (f"error: eval.perplexity.dataset '{tmp_path / 'nope.txt'}': no such file; use "
+                               f"wikitext2, c4 (hub) or the path of a local .txt file")
+    assert not (tmp_path / "a" / "ev").exists()
+
+
+def test_absurd_sample_count_is_named_by_the_text_not_the_disk(tiny_llama, tmp_path, monkeypatch, capsys):
+    """n_samples 1e9 would also need petabytes of checkpoint: the count against the text is the cause to name."""
+    from quantize import source
+
+    monkeypatch.setattr(source, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="ns", calibration=dict(dataset="groups-merged",
+                                                                           n_samples=1_000_000_000, seq_len=64))
+    rc, msg = _cli(capsys, "run", recipe, "--out", tmp_path / "a", "--no-eval")
+    assert rc == 2 and re_match(r"error: calibration text has \d+ tokens but n_samples x seq_len = 1000000000 x 64 "
+                                r"= 64000000000; lower calibration.n_samples", msg), msg
+
+
+def test_cache_directory_that_is_a_file_is_named(tiny_llama, tmp_path, monkeypatch, capsys):
+    from quantize import source
+
+    monkeypatch.setattr(source, "_convert_gguf", lambda *a: pytest.fail("converted into a cache that is a file"))
+    f = _gguf(tmp_path / "m.gguf", "llama")
+    blocker = tmp_path / "cache-file"
+    blocker.write_text("not a directory")
+    recipe = tiny_recipe(tmp_path, f, name="gg", method="rtn")
+    for cache in (blocker, blocker / "below"):
+        monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(cache))
+        rc, msg = _cli(capsys, "preflight", recipe, "--out", tmp_path / "a")
+        assert rc == 2 and msg == (f"error: the cache directory {cache} (QUANTIZE_CACHE_DIR) cannot hold the GGUF "
+                                   f"conversion: {blocker} is a file, not a directory; move that file aside, or set "
+                                   f"QUANTIZE_CACHE_DIR to a directory you can write")
+    assert blocker.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("name,content,why", [
+    ("config.json", "{bad", "is not valid JSON (Expecting property name"),
+    ("manifest.json", "{bad", "is not valid JSON (Expecting property name"),
+    ("manifest.json", "[1]", "holds a JSON list, not an object"),
+])
+def test_invalid_artifact_json_names_the_file(previous, tmp_path, capsys, name, content, why):
+    import shutil
+
+    art = tmp_path / "art"
+    shutil.copytree(previous / "keep", art)
+    if name == "config.json":
+        (art / "manifest.json").unlink()  # another tool's directory: nothing verifies config.json first
+    (art / name).write_text(content)
+    rc, msg = _cli(capsys, "eval", "--artifact", art, "--base", previous / "keep", "--no-vllm")
+    assert rc == 2 and msg.startswith(f"error: {art / name} {why}") and msg.endswith(
+        "restore that file, or re-create the artifact with make quantize"), msg
 
 
 def re_match(pattern: str, text: str) -> bool:
