@@ -29,7 +29,7 @@ def _cli(capsys, *argv) -> tuple[int, str]:
 
 
 def _tree(root: Path) -> dict[str, bytes]:
-    """Every file under root (lock files aside: they stay, empty or with their last holder) -> its bytes."""
+    """Every file under root (lock files aside: a killed run's stays until the next run of its output) -> bytes."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
             if p.is_file() and p.suffix != ".lock"}
 
@@ -200,6 +200,64 @@ def test_signal_during_export_leaves_nothing(tiny_llama, previous, tmp_path, sig
     assert proc.returncode == 2 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1].startswith(f"error: interrupted by {name}; files being written were removed")
     assert _tree(arts) == before and not any(p.name.startswith(".") for p in arts.iterdir())
+
+
+SWAP_DRIVER = """
+import os, sys, time
+from pathlib import Path
+from pipeline import cli
+real, where = os.replace, sys.argv.pop(1)
+def replace(src, dst, *a, **k):  # the second rename of a --force swap moves the new artifact into place
+    new = Path(src).name.startswith(".keep.tmp-")
+    if new and where == "between":
+        print(where, flush=True)
+        time.sleep(120)
+    real(src, dst, *a, **k)
+    if new and where == "after":
+        print(where, flush=True)
+        time.sleep(120)
+os.replace = replace
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("where", ["between", "after"])
+def test_killed_force_swap_is_restored_or_finished(tiny_llama, previous, tmp_path, capsys, caplog, where):
+    """SIGKILL between the two renames of --force leaves no `keep`, the previous one in `.keep.old-*` and the new
+    one in `.keep.tmp-*`: the next command puts the previous one back. Killed after both renames, the next
+    command finishes the swap. Either way it says which, and nothing hidden is left."""
+    arts = _artifacts(previous, tmp_path)
+    before = _tree(arts)
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="keep", method="rtn", q_group_size=128)  # differs from before
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-c", SWAP_DRIVER, where, "run", str(recipe), "--out", str(arts),
+                             "--force", "--no-eval"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == where
+    proc.kill()
+    proc.communicate(timeout=60)
+    left = sorted(p.name.split("-")[0] for p in arts.iterdir())
+    assert left == ([".keep.old", ".keep.tmp", "keep.lock"] if where == "between" else [".keep.old", "keep", "keep.lock"])
+    with caplog.at_level("WARNING"):
+        rc, msg = _cli(capsys, "run", recipe, "--out", arts, "--no-eval")
+    assert rc == 2 and msg.startswith(f"error: output {arts / 'keep'} already exists")
+    assert sorted(p.name for p in arts.iterdir()) == ["keep"]  # no .old-, .tmp- or lock file
+    if where == "between":
+        assert f"a run of {arts / 'keep'} was killed while replacing it: put back the previous artifact from " \
+               f".keep.old-" in caplog.text
+        assert "removed .keep.tmp-" in caplog.text
+        assert _tree(arts) == before
+    else:
+        assert f"a run of {arts / 'keep'} was killed after replacing it: finished the replacement by removing the " \
+               f"previous artifact .keep.old-" in caplog.text
+        assert "q_group_size: 128" in (arts / "keep" / "recipe.yaml").read_text()
+
+
+def test_force_over_a_file_leaves_nothing_beside_it(tiny_llama, tmp_path):
+    arts = tmp_path / "artifacts"
+    arts.mkdir()
+    (arts / "f").write_text("a file where the artifact goes")
+    runner.run(tiny_recipe(tmp_path, tiny_llama, name="f", method="rtn"), out_root=arts, force=True)
+    assert sorted(p.name for p in arts.iterdir()) == ["f"] and (arts / "f" / "manifest.json").is_file()
 
 
 # --- the checkpoint against its config (before any weight loads) ------------------------------------------
