@@ -43,10 +43,7 @@ C4_DOCS = 1100
 
 
 class EvalInputError(UserError, ValueError):
-    """An eval input (text, window length, base model) that cannot be scored; shown as `error: eval: ...`."""
-
-    def __str__(self) -> str:
-        return f"eval: {super().__str__()}"
+    """An eval input (text, window length, base model) that cannot be scored; the message names the recipe key."""
 
 
 def load_eval_text(dataset: str) -> tuple[str, str]:
@@ -62,7 +59,8 @@ def load_eval_text(dataset: str) -> tuple[str, str]:
         return "\n\n".join(ds.select(range(C4_DOCS))["text"]), f"hub:allenai/c4/{C4_SHARD}[:{C4_DOCS}]"
     path = BUNDLED.get(dataset, Path(dataset))
     if not path.is_file():
-        raise EvalInputError(f"perplexity dataset {dataset!r}: use wikitext2, c4 (hub) or a local .txt file")
+        raise EvalInputError(f"eval.perplexity.dataset {dataset!r}: no such file; use wikitext2, c4 (hub) or "
+                             f"the path of a local .txt file")
     return path.read_text(encoding="utf-8"), str(path)
 
 

@@ -115,10 +115,13 @@ def _eval_command(args) -> int:
         eopts, artifact = EvalOptions(), Path(args.artifact)
     else:
         raise RecipeError("give a recipe name or --artifact DIR")
-    if not (artifact / "config.json").is_file():
-        from quantize.manifest import ArtifactError
+    from quantize.manifest import MANIFEST, ArtifactError, read_json
 
+    if not (artifact / "config.json").is_file():
         raise ArtifactError(f"{artifact} is not an artifact directory (no config.json); run make quantize first")
+    for name in ("config.json", MANIFEST):  # a damaged file is named before the eval reads it
+        if (artifact / name).is_file():
+            read_json(artifact / name)
     if args.max_windows:
         eopts = eopts.model_copy(update={"perplexity": eopts.perplexity.model_copy(
             update={"max_windows": args.max_windows})})
@@ -201,6 +204,8 @@ def _run_command(args, recipe) -> int:
     from quantize import distributed, runner
     from quantize.lock import output_lock
 
+    from . import stages
+
     dist = distributed.init_from_env()
     try:
         writer = dist is None or dist.rank == 0
@@ -212,7 +217,9 @@ def _run_command(args, recipe) -> int:
             else:  # a refused lock on rank 0 stops every rank
                 dist.agree(lambda: take() if writer else None)
             try:
-                out = runner.run(args.recipe, out_root=args.out, force=args.force, locked=True, dist=dist)
+                evaluates = recipe.eval.enabled and not args.no_eval
+                out = runner.run(args.recipe, out_root=args.out, force=args.force, locked=True, dist=dist,
+                                 before_weights=stages.check_eval_inputs if evaluates else None)
             except BaseException as e:  # noqa: BLE001 - the first failing rank's message is the one to show
                 if dist is None:
                     raise
@@ -293,7 +300,10 @@ def _command(args) -> int:
     if args.cmd == "preflight":
         from quantize import runner
 
-        print(runner.preflight_only(args.recipe, out_root=args.out, force=args.force))
+        from . import stages
+
+        print(runner.preflight_only(args.recipe, out_root=args.out, force=args.force,
+                                    before_weights=stages.check_eval_inputs))
         return 0
     recipe = load_recipe(args.recipe)
     check_output_parent(args.out)

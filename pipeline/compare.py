@@ -21,7 +21,7 @@ from quantize.recipe import load_variants
 
 from eval.report import machine
 
-from .stages import evaluate
+from .stages import check_eval_inputs, evaluate
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,8 @@ def run_comparison(recipe_names: list[str], out_root: Path, force: bool = False,
     artifacts = []
     for group in groups.values():
         log.info("shared pass: %s", ", ".join(v.name for v in group))
-        artifacts += runner.run_many(group, out_root, force)
+        artifacts += runner.run_many(group, out_root, force,
+                                     before_weights=check_eval_inputs if do_eval else None)
     timings["quantize_all"] = round(time.perf_counter() - t0, 2)
     failed = []
     if do_eval:

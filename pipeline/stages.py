@@ -8,8 +8,10 @@ from pathlib import Path
 
 from quantize import manifest, modelcard
 from quantize.files import atomic_write_text
+from quantize.preflight import PreflightError
 
 from eval import report as eval_report
+from eval.perplexity import Protocol, load_eval_text, windows
 
 
 def evaluate(artifact: Path, base: str | None, eopts, cache: dict | None = None) -> dict:
@@ -17,6 +19,21 @@ def evaluate(artifact: Path, base: str | None, eopts, cache: dict | None = None)
     report = eval_report.evaluate(artifact, base, eopts, cache=cache)
     write_report(Path(artifact), report)
     return report
+
+
+def check_eval_inputs(recipes, tokenizer) -> None:
+    """Before any weight loads (`runner.preflight`'s before_weights): the eval text of each recipe that evaluates
+    exists and holds at least one perplexity window, so a run is not refused only after its quantize stage."""
+    for r in recipes:
+        if not r.eval.enabled:
+            continue
+        p = r.eval.perplexity
+        text, _ = load_eval_text(p.dataset)
+        try:
+            windows(tokenizer, text, Protocol(dataset=p.dataset, seq_len=p.seq_len, max_windows=1))
+        except ValueError as e:
+            raise PreflightError(f"{r.name}: {e} (checked before quantizing, as the eval stage would fail)") \
+                from None
 
 
 def write_report(artifact: Path, report: dict) -> None:

@@ -168,7 +168,7 @@ def _swap_in(tmp: Path, out: Path) -> None:
     if not out.exists():
         os.replace(tmp, out)
         return
-    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    old = out.parent / old_name(out).replace("*", uuid.uuid4().hex[:8])
     os.replace(out, old)
     try:
         os.replace(tmp, out)
@@ -179,26 +179,49 @@ def _swap_in(tmp: Path, out: Path) -> None:
             raise ExportError(f"writing the artifact {out} failed at the final rename ({e}), and moving the "
                               f"previous artifact back failed too ({again}): it is in {old}; rename it to {out}") from e
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)  # a directory, or the file that --force replaced
 
 
-def remove_stale(out: Path) -> None:
+def _remove(path: Path) -> None:
+    """Remove a directory tree or a single file (what `--force` moved aside may be either)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def old_name(out: Path) -> str:
+    """The glob of where `--force` moves a previous `out` while the new one is renamed into place."""
+    return f".{out.name}.old-*"
+
+
+def remove_stale(out: Path) -> list[str]:
     """Clean up after a run of `out` that was killed while exporting (call with `out`'s lock held, so no live
-    run owns these): its temporary directories are removed; a previous artifact it had moved aside is put back
-    when `out` is missing, else removed."""
+    run owns these) -> what was done, each also logged as a warning.
+
+    Killed before its first rename: only its temporary directory is left, and is removed. Killed between the two
+    renames of `--force` (no `out`, the previous one in `.<name>.old-*`): the previous artifact is put back, as
+    if the killed run had never started, and its unfinished new one removed. Killed after both: the swap is
+    finished by removing the previous artifact."""
     out = Path(out)
     if not out.parent.is_dir():
-        return
-    for tmp in sorted(out.parent.glob(temp_name(out))):
-        log.warning("removing %s, left by an interrupted run", tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
-    for old in sorted(out.parent.glob(f".{out.name}.old-*")):
-        if not out.exists():
-            log.warning("putting back the previous artifact %s, which an interrupted run had moved to %s", out, old)
+        return []
+    done = []
+    for old in sorted(out.parent.glob(old_name(out)), key=lambda p: p.stat().st_mtime, reverse=True):
+        if not out.exists() and not out.is_symlink():
             os.replace(old, out)
+            done.append(f"a run of {out} was killed while replacing it: put back the previous artifact from "
+                        f"{old.name}")
         else:
-            log.warning("removing %s, a replaced artifact an interrupted run had not removed yet", old)
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
+            done.append(f"a run of {out} was killed after replacing it: finished the replacement by removing the "
+                        f"previous artifact {old.name}")
+    for tmp in sorted(out.parent.glob(temp_name(out))):
+        _remove(tmp)
+        done.append(f"removed {tmp.name}, the unfinished artifact of a killed run of {out}")
+    for line in done:
+        log.warning("%s", line)
+    return done
 
 
 def _tree_bytes(root: Path) -> int:

@@ -1,13 +1,19 @@
 """One writer per output: an OS file lock (`filelock`, flock on Unix) on `<out>.lock` next to the artifact.
 
 The operating system releases the lock when its process ends, however it ends (SIGKILL included), so a lock can
-never outlive its run and nothing has to be deleted by hand. The lock file itself stays (waiters must share its
-inode); while held it records the holder's pid, host and start time, so a refused run can say who holds it. The
-record is best effort: writing it needs disk space, and a full disk must not turn into a lock that blocks.
+never outlive its run and nothing has to be deleted by hand. While held, the lock file records the holder's pid,
+host and start time, so a refused run can say who holds it. The record is best effort: writing it needs disk
+space, and a full disk must not turn into a lock that blocks.
+
+A released lock leaves nothing beside the artifacts: the holder unlinks the file while still holding it, then
+unlocks. A process that opened the file before the unlink and locks it afterwards holds a lock on a name that
+no longer exists; it sees that (the path no longer leads to its file) and starts over on a new file. Only a
+killed run leaves its lock file, which the next run of that output takes over and removes.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -39,8 +45,22 @@ def _write_record(fd: int, data: bytes) -> None:
     os.fsync(fd)
 
 
-def _record_holder(fd: int) -> None:
-    """on_acquired: replace the lock file's content with this process's record (empty if it cannot be written)."""
+class _Unlinked(Exception):
+    """The file was locked after its previous holder had unlinked it: that lock guards nothing."""
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(fd))
+    except FileNotFoundError:
+        return False
+
+
+def _record_holder(path: Path, fd: int) -> None:
+    """on_acquired: refuse a lock on an unlinked file (_Unlinked rolls it back), then replace the lock file's
+    content with this process's record (empty if it cannot be written)."""
+    if not _same_file(path, fd):
+        raise _Unlinked(path)
     record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     os.ftruncate(fd, 0)  # a previous holder's record must never describe this one
     try:
@@ -61,15 +81,28 @@ def acquire(out: Path) -> FileLock:
     """Take the lock of `out` -> the held FileLock; OutputLockedError naming the holder if a live run has it."""
     path = lock_path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(path, timeout=0, on_acquired=_record_holder)
+    for _ in range(100):  # each retry follows a holder that released meanwhile: a few at most
+        lock = FileLock(path, timeout=0, on_acquired=functools.partial(_record_holder, path))
+        try:
+            lock.acquire()
+        except Timeout:
+            raise OutputLockedError(
+                f"output {out} is locked by another run: {_holder(path)} (the operating system holds that lock "
+                f"until the process exits; lock file {path}). Wait for that run to finish or write elsewhere with "
+                f"--out DIR") from None
+        except _Unlinked:
+            continue
+        return lock
+    raise OutputLockedError(f"output {out}: its lock file {path} keeps being replaced by other runs; wait for them "
+                            f"to finish or write elsewhere with --out DIR")
+
+
+def release(lock: FileLock) -> None:
+    """Unlink the lock file, then unlock: a released lock leaves no file (see the module's docstring)."""
     try:
-        lock.acquire()
-    except Timeout:
-        raise OutputLockedError(
-            f"output {out} is locked by another run: {_holder(path)} (the operating system holds that lock until "
-            f"the process exits; lock file {path}). Wait for that run to finish or write elsewhere with --out DIR"
-        ) from None
-    return lock
+        Path(lock.lock_file).unlink(missing_ok=True)
+    finally:
+        lock.release()
 
 
 @contextmanager
@@ -79,4 +112,4 @@ def output_lock(out: Path) -> Iterator[Path]:
     try:
         yield lock_path(out)
     finally:
-        lock.release()
+        release(lock)

@@ -28,7 +28,21 @@ class ArtifactError(UserError, ValueError):
 def read(root: Path) -> dict:
     """The manifest of an artifact directory -> dict ({} when there is none: another tool's directory)."""
     path = Path(root) / MANIFEST
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json(path) if path.is_file() else {}
+
+
+def read_json(path: Path) -> dict:
+    """One of an artifact's JSON files (config.json, manifest.json) -> its object; ArtifactError naming the file
+    when it is not a JSON object (a parser's message alone does not say which file)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
+        raise ArtifactError(f"{path} is not valid JSON ({e}); restore that file, or re-create the artifact with "
+                            f"make quantize") from None
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path} holds a JSON {type(data).__name__}, not an object; restore that file, or "
+                            f"re-create the artifact with make quantize")
+    return data
 
 
 def file_hashes(root: Path, sync: bool = False) -> dict[str, dict]:

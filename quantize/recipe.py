@@ -19,6 +19,7 @@ measured for each:
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import typing
 from pathlib import Path
@@ -315,13 +316,14 @@ def parse_size(text: str) -> int:
         if t.endswith(unit):
             num = t[: -len(unit)].strip()
             try:
-                value = float(num)
+                value = float(num) * units[unit]
             except ValueError:
                 break
-            if value <= 0:
+            if not math.isfinite(value) or value < 1:  # inf/nan/0 bytes: no shard size
                 break
-            return int(value * units[unit])
-    raise ValueError(f"size {text!r} is not understood; write it like '4GB', '500MB' or '2GiB'")
+            return int(value)
+    raise ValueError(f"size {text!r} is not understood; write a finite size of at least 1 byte, like '4GB', "
+                     f"'500MB' or '2GiB'")
 
 
 def recipe_path(name_or_path: str | Path) -> Path:
@@ -388,11 +390,23 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 def _read_raw(path: Path, seen: tuple[Path, ...]) -> dict:
-    if path in seen:
-        chain = " -> ".join(p.stem for p in (*seen, path))
+    """A recipe file's mapping, merged over its `base:` chain; seen: the chain so far, as resolved paths (a file
+    respelled through `..` is still the same file, and must be caught as a loop, not followed until the path is
+    too long)."""
+    try:
+        real = path.resolve()
+    except OSError as e:
+        raise RecipeError(f"{_short(str(path))}: cannot be read ({e.strerror}); give `base:` as a recipe name or "
+                          f"a short path to a YAML file") from None
+    if real in seen:
+        chain = " -> ".join(p.stem for p in (*seen, real))
         raise RecipeError(f"recipe inheritance loops: {chain}; remove one of the `base:` keys")
+    seen = (*seen, real)
     try:
         raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_RecipeLoader)  # noqa: S506 - a safe loader
+    except OSError as e:
+        raise RecipeError(f"{_short(str(path))}: cannot be read ({e.strerror}); check the recipe's path and its "
+                          f"`base:`") from None
     except UnicodeDecodeError as e:
         raise RecipeError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the recipe as UTF-8") from None
     except _Refused as e:
@@ -412,9 +426,16 @@ def _read_raw(path: Path, seen: tuple[Path, ...]) -> dict:
     base = raw.get("base")
     if base is None:
         return raw
-    sibling = path.parent / (base if str(base).endswith((".yaml", ".yml")) else f"{base}.yaml")
-    parent_path = sibling if sibling.is_file() else recipe_path(base)
-    parent = _read_raw(parent_path, (*seen, path))
+    if not isinstance(base, str) or not base.strip():
+        raise RecipeError(f"{path}: `base` is {_short(base)} but must be one recipe name or YAML path (a string); "
+                          f"a recipe inherits from one base, which may itself have a `base:`")
+    sibling = path.parent / (base if base.endswith((".yaml", ".yml")) else f"{base}.yaml")
+    try:
+        parent_path = sibling if sibling.is_file() else recipe_path(base)
+    except OSError as e:
+        raise RecipeError(f"{path}: `base` {_short(base)} cannot be read ({e.strerror}); give it as a recipe name "
+                          f"or a short path to a YAML file") from None
+    parent = _read_raw(parent_path, seen)
     return _merge(parent, raw)
 
 

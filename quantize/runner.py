@@ -6,6 +6,7 @@ import logging
 import platform
 import subprocess
 import time
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -75,6 +76,9 @@ def git_commit() -> dict:
         return {"commit": None, "dirty": None}
 
 
+BeforeWeights = Callable[[list[Recipe], Any], None]
+
+
 @dataclass
 class Checked:
     """What pre-flight established for a set of recipes sharing one model, before any weight is loaded."""
@@ -91,13 +95,15 @@ class Checked:
     cuda_allocator: str | None = None  # the CUDA allocator settings the run used (`device.configure_allocator`)
 
 
-def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Timings, run: bool = False) -> Checked:
+def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Timings, run: bool = False,
+              before_weights: BeforeWeights | None = None) -> Checked:
     """Every check that needs no weights, in timed stages `preflight` and `calibrate` -> Checked.
 
     Output present (without force), untrusted custom code or pickle-only weights, unsupported architecture,
     shapes the format or vLLM's kernels cannot take, too little free disk for all outputs, too little
     calibration text: each raises its own error with what to change, before the model is loaded.
     run: a run follows (not `preflight_only`): the CUDA allocator is configured once the checks have passed.
+    before_weights(recipes, tokenizer): the caller's own checks of what follows the run (the eval's inputs).
     """
     if len({share_key(r) for r in recipes}) != 1:
         diff = [k for k in SHARED_KEYS if len({repr(r.to_dict()[k]) for r in recipes}) > 1]
@@ -122,18 +128,22 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
         if not any(methods.get(r.method).calibrates for r in recipes):  # calibration loads it otherwise
             source.load_tokenizer(src, first.trust_remote_code)  # an artifact without a usable tokenizer is refused
         plans = [_plan_and_log(r, config, arch) for r in recipes]
-        copied = sum((src.path / f).stat().st_size for f in source.TOKENIZER_FILES if (src.path / f).is_file())
-        free = check_free_disk(outs[0], sum(p.tensor_bytes + copied for p in plans) + _checkpoint_bytes(recipes, config, plans))
+        if before_weights is not None:
+            before_weights(recipes, source.load_tokenizer(src, first.trust_remote_code))
         device = pick_device(first)
         compute_dtype = pick_compute_dtype(first, device)
-        log.info("pre-flight: %s free on the output's disk; computing on %s in %s", human_bytes(free), device,
-                 str(compute_dtype).removeprefix("torch."))
-    checked = Checked(src, config, arch, plans, device, compute_dtype, free)
+    samples = calib_record = None
+    if any(methods.get(r.method).calibrates for r in recipes):
+        # before the disk estimate, which grows with n_samples: an absurd sample count is refused as one
+        with timings.stage("calibrate"):
+            samples, calib_record = _calibration(first, src)
+    copied = sum((src.path / f).stat().st_size for f in source.TOKENIZER_FILES if (src.path / f).is_file())
+    free = check_free_disk(outs[0], sum(p.tensor_bytes + copied for p in plans) + _checkpoint_bytes(recipes, config, plans))
+    log.info("pre-flight: %s free on the output's disk; computing on %s in %s", human_bytes(free), device,
+             str(compute_dtype).removeprefix("torch."))
+    checked = Checked(src, config, arch, plans, device, compute_dtype, free, samples, calib_record)
     if run:
         checked.cuda_allocator = configure_allocator(device)  # before the run's first CUDA allocation
-    if any(methods.get(r.method).calibrates for r in recipes):
-        with timings.stage("calibrate"):
-            checked.samples, checked.calib_record = _calibration(first, src)
     return checked
 
 
@@ -152,12 +162,13 @@ def _propagation(recipe: Recipe) -> str:
     return methods.get(recipe.method).propagation(recipe)
 
 
-def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False) -> str:
+def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False,
+                   before_weights: BeforeWeights | None = None) -> str:
     """Every pre-flight check of `run`, no weights loaded -> the report (also what `run` logs first)."""
     recipe = load_recipe(recipe_name)
     out = child(out_root, recipe.name, "recipe name")
     check_output_parent(out_root)
-    pf = preflight([recipe], [out], force, Timings())
+    pf = preflight([recipe], [out], force, Timings(), before_weights=before_weights)
     c, the_plan = recipe.calibration, pf.plans[0]
     calib_line = (f"calibration: {c.n_samples} x {c.seq_len} tokens from {pf.calib_record['source']}"
                   if pf.calib_record else "calibration: none (rtn)")
@@ -177,15 +188,17 @@ def share_key(recipe: Recipe) -> tuple:
 
 
 def run(recipe_name: str | Path, out_root: str | Path = "artifacts", force: bool = False,
-        locked: bool = False, runlog: RunLog | None = None, dist: Dist | None = None) -> Path:
+        locked: bool = False, runlog: RunLog | None = None, dist: Dist | None = None,
+        before_weights: BeforeWeights | None = None) -> Path:
     """Quantize per recipe -> the artifact directory. `<out>.lock` is held for the whole run (locked: the caller
     holds it already, to keep it over the eval that follows). runlog: filled with the run's timings.
     dist: one of several ranks (`distributed.init_from_env`); rank 0 alone writes the artifact."""
-    return run_many([load_recipe(recipe_name)], out_root, force, locked, runlog, dist)[0]
+    return run_many([load_recipe(recipe_name)], out_root, force, locked, runlog, dist, before_weights)[0]
 
 
 def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: bool = False,
-             locked: bool = False, runlog: RunLog | None = None, dist: Dist | None = None) -> list[Path]:
+             locked: bool = False, runlog: RunLog | None = None, dist: Dist | None = None,
+             before_weights: BeforeWeights | None = None) -> list[Path]:
     """Quantize several recipes of one model in one pass -> their artifact directories (in order).
 
     One model load, one calibration set, and one trip of each decoder layer to the device serve every recipe;
@@ -204,16 +217,16 @@ def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: b
                 locks.enter_context(output_lock(out))
             if writer:
                 export.remove_stale(out)  # what a killed run of this output left; no live run can own it now
-        return _run_many(recipes, outs, force, runlog, dist)
+        return _run_many(recipes, outs, force, runlog, dist, before_weights)
 
 
 def _run_many(recipes: list[Recipe], outs: list[Path], force: bool, runlog: RunLog | None,
-              dist: Dist | None = None) -> list[Path]:
+              dist: Dist | None = None, before_weights: BeforeWeights | None = None) -> list[Path]:
     timings = Timings()
     if dist is None:
-        pf = preflight(recipes, outs, force, timings, run=True)
+        pf = preflight(recipes, outs, force, timings, run=True, before_weights=before_weights)
     else:  # every rank checks and calibrates on its own; a failure on any stops all, with its message
-        pf = dist.agree(lambda: preflight(recipes, outs, force, timings, run=True))
+        pf = dist.agree(lambda: preflight(recipes, outs, force, timings, run=True, before_weights=before_weights))
         if pf.device.type == "cuda":
             pf.device = dist.device  # cuda:LOCAL_RANK
     first, device, compute_dtype = recipes[0], pf.device, pf.compute_dtype

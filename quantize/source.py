@@ -142,8 +142,16 @@ def gguf_to_dir(gguf: Path) -> tuple[Path, str]:
         log.warning("GGUF conversion cache %s is damaged (%s); removing it and converting again", target, damage)
         shutil.rmtree(target)
     log.info("converting GGUF %s to safetensors (once; cached at %s)", gguf, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    except OSError as e:  # the cache root, or a folder on its way, is a file or is not writable
+        blocking = next((p for p in (target.parent, *target.parent.parents) if p.exists() and not p.is_dir()), None)
+        what = f"{blocking} is a file, not a directory" if blocking else f"{e.strerror}: {e.filename}"
+        raise ModelSourceError(
+            f"the cache directory {cache_dir()} (QUANTIZE_CACHE_DIR) cannot hold the GGUF conversion: {what}; "
+            f"{'move that file aside' if blocking else 'fix its permissions'}, or set QUANTIZE_CACHE_DIR to a "
+            f"directory you can write") from None
     try:
         _convert_gguf(gguf, tmp)
         (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": sha}, indent=2))

@@ -29,7 +29,7 @@ def _cli(capsys, *argv) -> tuple[int, str]:
 
 
 def _tree(root: Path) -> dict[str, bytes]:
-    """Every file under root (lock files aside: they stay, empty or with their last holder) -> its bytes."""
+    """Every file under root (lock files aside: a killed run's stays until the next run of its output) -> bytes."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
             if p.is_file() and p.suffix != ".lock"}
 
@@ -200,6 +200,64 @@ def test_signal_during_export_leaves_nothing(tiny_llama, previous, tmp_path, sig
     assert proc.returncode == 2 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1].startswith(f"error: interrupted by {name}; files being written were removed")
     assert _tree(arts) == before and not any(p.name.startswith(".") for p in arts.iterdir())
+
+
+SWAP_DRIVER = """
+import os, sys, time
+from pathlib import Path
+from pipeline import cli
+real, where = os.replace, sys.argv.pop(1)
+def replace(src, dst, *a, **k):  # the second rename of a --force swap moves the new artifact into place
+    new = Path(src).name.startswith(".keep.tmp-")
+    if new and where == "between":
+        print(where, flush=True)
+        time.sleep(120)
+    real(src, dst, *a, **k)
+    if new and where == "after":
+        print(where, flush=True)
+        time.sleep(120)
+os.replace = replace
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("where", ["between", "after"])
+def test_killed_force_swap_is_restored_or_finished(tiny_llama, previous, tmp_path, capsys, caplog, where):
+    """SIGKILL between the two renames of --force leaves no `keep`, the previous one in `.keep.old-*` and the new
+    one in `.keep.tmp-*`: the next command puts the previous one back. Killed after both renames, the next
+    command finishes the swap. Either way it says which, and nothing hidden is left."""
+    arts = _artifacts(previous, tmp_path)
+    before = _tree(arts)
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="keep", method="rtn", q_group_size=128)  # differs from before
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-c", SWAP_DRIVER, where, "run", str(recipe), "--out", str(arts),
+                             "--force", "--no-eval"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == where
+    proc.kill()
+    proc.communicate(timeout=60)
+    left = sorted(p.name.split("-")[0] for p in arts.iterdir())
+    assert left == ([".keep.old", ".keep.tmp", "keep.lock"] if where == "between" else [".keep.old", "keep", "keep.lock"])
+    with caplog.at_level("WARNING"):
+        rc, msg = _cli(capsys, "run", recipe, "--out", arts, "--no-eval")
+    assert rc == 2 and msg.startswith(f"error: output {arts / 'keep'} already exists")
+    assert sorted(p.name for p in arts.iterdir()) == ["keep"]  # no .old-, .tmp- or lock file
+    if where == "between":
+        assert f"a run of {arts / 'keep'} was killed while replacing it: put back the previous artifact from " \
+               f".keep.old-" in caplog.text
+        assert "removed .keep.tmp-" in caplog.text
+        assert _tree(arts) == before
+    else:
+        assert f"a run of {arts / 'keep'} was killed after replacing it: finished the replacement by removing the " \
+               f"previous artifact .keep.old-" in caplog.text
+        assert "q_group_size: 128" in (arts / "keep" / "recipe.yaml").read_text()
+
+
+def test_force_over_a_file_leaves_nothing_beside_it(tiny_llama, tmp_path):
+    arts = tmp_path / "artifacts"
+    arts.mkdir()
+    (arts / "f").write_text("a file where the artifact goes")
+    runner.run(tiny_recipe(tmp_path, tiny_llama, name="f", method="rtn"), out_root=arts, force=True)
+    assert sorted(p.name for p in arts.iterdir()) == ["f"] and (arts / "f" / "manifest.json").is_file()
 
 
 # --- the checkpoint against its config (before any weight loads) ------------------------------------------
@@ -421,19 +479,88 @@ def test_bad_calibration_file_is_one_line_before_weights(tiny_llama, tmp_path, m
 
 # --- eval stage --------------------------------------------------------------------------------------------
 
-def test_perplexity_window_longer_than_the_text(tiny_llama, tmp_path, capsys):
+def test_perplexity_window_longer_than_the_text(tiny_llama, tmp_path, monkeypatch, capsys):
+    """Pre-flight tokenizes the eval text: a window longer than it is refused before any weight loads; the eval
+    command on an existing artifact says the same."""
+    from quantize import source
+
     text = tmp_path / "short.txt"
     text.write_text("Only a few words to score.\n")
     recipe = tiny_recipe(tmp_path, tiny_llama, name="ev", method="rtn",
                          eval=dict(perplexity=dict(dataset=str(text), seq_len=2048), vllm=dict(enabled=False)))
-    rc, msg = _cli(capsys, "run", recipe, "--out", tmp_path / "a")
-    assert rc == 2 and re_match(r"error: eval: perplexity text '.*short.txt' has \d+ tokens, fewer than one window of "
-                                r"2048; lower eval.perplexity.seq_len or use a longer eval.perplexity.dataset$", msg)
-    assert (tmp_path / "a" / "ev" / "manifest.json").is_file()  # the artifact itself was written and stays
+    load = source.load_model
+    monkeypatch.setattr(source, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    for cmd in ("run", "preflight"):
+        rc, msg = _cli(capsys, cmd, recipe, "--out", tmp_path / "a")
+        assert rc == 2 and re_match(r"error: ev: perplexity text '.*short.txt' has \d+ tokens, fewer than one window "
+                                    r"of 2048; lower eval.perplexity.seq_len or use a longer eval.perplexity.dataset "
+                                    r"\(checked before quantizing, as the eval stage would fail\)$", msg), msg
+    assert not (tmp_path / "a" / "ev").exists()
+    monkeypatch.setattr(source, "load_model", load)
+    assert cli.main(["run", str(recipe), "--out", str(tmp_path / "a"), "--no-eval"]) == 0  # no eval: no check
     from tests.conftest import eval_main
 
     assert eval_main([str(recipe), "--out", str(tmp_path / "a"), "--no-vllm"]) == 2
     assert "fewer than one window of 2048; lower eval.perplexity.seq_len" in capsys.readouterr().err
+
+
+def test_missing_eval_text_refused_before_weights(tiny_llama, tmp_path, monkeypatch, capsys):
+    from quantize import source
+
+    monkeypatch.setattr(source, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="ev", method="rtn",
+                         eval=dict(perplexity=dict(dataset=str(tmp_path / "nope.txt")), vllm=dict(enabled=False)))
+    rc, msg = _cli(capsys, "run", recipe, "--out", tmp_path / "a")
+    assert rc == 2 and msg == (f"error: eval.perplexity.dataset '{tmp_path / 'nope.txt'}': no such file; use "
+                               f"wikitext2, c4 (hub) or the path of a local .txt file")
+    assert not (tmp_path / "a" / "ev").exists()
+
+
+def test_absurd_sample_count_is_named_by_the_text_not_the_disk(tiny_llama, tmp_path, monkeypatch, capsys):
+    """n_samples 1e9 would also need petabytes of checkpoint: the count against the text is the cause to name."""
+    from quantize import source
+
+    monkeypatch.setattr(source, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="ns", calibration=dict(dataset="groups-merged",
+                                                                           n_samples=1_000_000_000, seq_len=64))
+    rc, msg = _cli(capsys, "run", recipe, "--out", tmp_path / "a", "--no-eval")
+    assert rc == 2 and re_match(r"error: calibration text has \d+ tokens but n_samples x seq_len = 1000000000 x 64 "
+                                r"= 64000000000; lower calibration.n_samples", msg), msg
+
+
+def test_cache_directory_that_is_a_file_is_named(tiny_llama, tmp_path, monkeypatch, capsys):
+    from quantize import source
+
+    monkeypatch.setattr(source, "_convert_gguf", lambda *a: pytest.fail("converted into a cache that is a file"))
+    f = _gguf(tmp_path / "m.gguf", "llama")
+    blocker = tmp_path / "cache-file"
+    blocker.write_text("not a directory")
+    recipe = tiny_recipe(tmp_path, f, name="gg", method="rtn")
+    for cache in (blocker, blocker / "below"):
+        monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(cache))
+        rc, msg = _cli(capsys, "preflight", recipe, "--out", tmp_path / "a")
+        assert rc == 2 and msg == (f"error: the cache directory {cache} (QUANTIZE_CACHE_DIR) cannot hold the GGUF "
+                                   f"conversion: {blocker} is a file, not a directory; move that file aside, or set "
+                                   f"QUANTIZE_CACHE_DIR to a directory you can write")
+    assert blocker.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("name,content,why", [
+    ("config.json", "{bad", "is not valid JSON (Expecting property name"),
+    ("manifest.json", "{bad", "is not valid JSON (Expecting property name"),
+    ("manifest.json", "[1]", "holds a JSON list, not an object"),
+])
+def test_invalid_artifact_json_names_the_file(previous, tmp_path, capsys, name, content, why):
+    import shutil
+
+    art = tmp_path / "art"
+    shutil.copytree(previous / "keep", art)
+    if name == "config.json":
+        (art / "manifest.json").unlink()  # another tool's directory: nothing verifies config.json first
+    (art / name).write_text(content)
+    rc, msg = _cli(capsys, "eval", "--artifact", art, "--base", previous / "keep", "--no-vllm")
+    assert rc == 2 and msg.startswith(f"error: {art / name} {why}") and msg.endswith(
+        "restore that file, or re-create the artifact with make quantize"), msg
 
 
 def re_match(pattern: str, text: str) -> bool:

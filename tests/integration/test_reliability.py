@@ -33,9 +33,9 @@ def _copy(src, dst):
 
 
 def _leftovers(root):
-    """Anything a run may leave next to the artifact: temp dirs, old dirs, checkpoints, held locks. (A lock file
-    stays in place, empty or holding its last record; the lock itself ends with its process.)"""
-    return sorted(p.name for p in root.iterdir() if p.name.startswith(".") or (p.suffix == ".lock" and _held(p)))
+    """Anything a run may leave next to the artifact: temp dirs, old dirs, checkpoints, lock files (a released
+    lock removes its file)."""
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(".") or p.suffix == ".lock")
 
 
 def _held(lock_file):
@@ -273,7 +273,7 @@ def test_lock_held_during_run_and_left_lock_file_reused(tiny_llama, tmp_path, mo
     monkeypatch.setattr(source, "load_model", spy)
     runner.run(tiny_recipe(tmp_path, tiny_llama, name="stale", method="rtn"), out_root=out_root)
     assert seen["pid"] == os.getpid() and seen["held"]  # held by this run while it worked
-    assert _leftovers(out_root) == []  # released at the end
+    assert _leftovers(out_root) == [] and not (out_root / "stale.lock").exists()  # released and removed at the end
 
 
 # --- disk full during export -------------------------------------------------------------------------------

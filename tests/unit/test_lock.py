@@ -50,6 +50,31 @@ def test_lock_of_a_killed_run_is_free_at_once(tmp_path):
     assert lock.lock_path(out).is_file()  # the file stays; the lock does not
     with lock.output_lock(out):
         assert json.loads(lock.lock_path(out).read_text())["pid"] == os.getpid()
+    assert not lock.lock_path(out).exists()  # the next run took it over and removed it
+
+
+def test_released_lock_leaves_no_file(tmp_path):
+    out = tmp_path / "m"
+    with lock.output_lock(out) as path:
+        assert path.is_file()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(RuntimeError, match="boom"):
+        with lock.output_lock(out):
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_lock_taken_on_an_unlinked_file_is_taken_again(tmp_path, monkeypatch):
+    """A process that opened the file before its holder unlinked it, and locked it after, holds a lock on a name
+    that no longer exists: it must start over on the new file, not run beside the next holder."""
+    seen = []
+    real = lock._same_file
+    monkeypatch.setattr(lock, "_same_file", lambda p, fd: bool(seen.append(fd)) or len(seen) > 1 and real(p, fd))
+    with lock.output_lock(tmp_path / "m"):
+        assert len(seen) == 2
+        proc = subprocess.run([sys.executable, "-c", "import sys; from quantize.lock import acquire; "
+                               "acquire(sys.argv[1])", str(tmp_path / "m")], capture_output=True, text=True)
+        assert "locked by another run" in proc.stderr  # the second attempt holds it
 
 
 def test_empty_or_garbage_lock_file_does_not_block(tmp_path):

@@ -273,3 +273,33 @@ def test_moe_section_names_its_keys_and_stays_out_of_dense_records(tmp_path):
     dense = load_recipe(tmp_path / "d.yaml")
     # unset: the default rule applies, and recipe.yaml (pinned byte for byte for dense models) does not change
     assert dense.moe_options.min_expert_tokens == 128 and "moe" not in dense.to_dict()
+
+
+def test_base_respelled_through_dotdot_is_a_loop_not_a_long_path(tmp_path):
+    """`base: ../d/r.yaml` names the file itself: followed as text it grows until the OS refuses the path."""
+    (tmp_path / "d").mkdir()
+    write_recipe(tmp_path / "d" / "r.yaml", **BASE, base="../d/r.yaml")
+    with pytest.raises(RecipeError, match=r"^recipe inheritance loops: r -> r; remove one of the `base:` keys$"):
+        load_recipe(tmp_path / "d" / "r.yaml")
+
+
+@pytest.mark.parametrize("base", [["parent"], {"name": "parent"}, 3, ""])
+def test_base_must_be_one_name(tmp_path, base):
+    write_recipe(tmp_path / "parent.yaml", **BASE)
+    write_recipe(tmp_path / "c.yaml", base=base, q_group_size=64)
+    with pytest.raises(RecipeError, match=r"c.yaml: `base` is .* but must be one recipe name or YAML path"):
+        load_recipe(tmp_path / "c.yaml")
+
+
+def test_base_name_too_long_for_the_os_is_named(tmp_path):
+    write_recipe(tmp_path / "c.yaml", base="x" * 5000)
+    with pytest.raises(RecipeError, match=r"c.yaml: `base` 'xxx.*\.\.\. cannot be read \(File name too long\); "
+                                          r"give it as a recipe name or a short path"):
+        load_recipe(tmp_path / "c.yaml")
+
+
+@pytest.mark.parametrize("size", [float("inf"), "infGB", "1e309GB", "nanGB", "0.1B", "-1GB"])
+def test_max_shard_size_must_be_a_finite_positive_size(tmp_path, size):
+    write_recipe(tmp_path / "s.yaml", **BASE, max_shard_size=size)
+    with pytest.raises(RecipeError, match=r"`max_shard_size`"):
+        load_recipe(tmp_path / "s.yaml")
