@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from . import formats
+from . import deploy, formats
 from .arch import ARCHITECTURES, Arch, all_linears, checkpoint_name, decoder_layers, layer_prefix
 from .experts import split_experts
 from .recipe import Recipe
@@ -67,6 +67,7 @@ class Plan:
     tied_embeddings: bool = False  # lm_head shares the input embedding: kept tied, 16-bit, not written
     tensor_bytes: int = 0  # estimated bytes of every tensor the artifact will hold
     max_position_embeddings: int | None = None  # the model's context length (serve.max_model_len's bound)
+    deploy: dict | None = None  # deploy.Table: the kernel vLLM runs per GPU generation x tensor-parallel size
 
     def summary(self) -> str:
         kernels: dict[str, int] = {}
@@ -100,6 +101,8 @@ class Plan:
         if self.tied_embeddings:
             lines.append("lm_head: tied to the input embedding: kept tied and 16-bit (lm_head.weight not written)")
         lines.append(f"tensor-parallel sizes at which every layer stays divisible: {self.tp_sizes}")
+        if self.deploy is not None:
+            lines.append(deploy.render(deploy.Table.from_dict(self.deploy)))
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -183,10 +186,33 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
         shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
         raise PreflightError("the recipe cannot be applied to this model:\n  - " + "\n  - ".join(shown))
     out.tp_sizes = tp_sizes
+    out.deploy = deploy_table(config, arch, recipe, is_skipped)
     out.max_position_embeddings = context_length(config)
     out.tied_embeddings = tied_embeddings(meta)
     out.tensor_bytes = estimate_tensor_bytes(meta, set(out.convert), recipe, out.tied_embeddings)
     return out
+
+
+NO_TARGETS = ("no serve.targets: nothing is refused for the GPU it will be served on; add serve.targets "
+              "(e.g. [{compute_capability: 9.0, tensor_parallel_size: 1}]) to have pre-flight check it")
+
+
+def check_targets(recipe: Recipe, config, arch: Arch, is_skipped) -> None:
+    """serve.targets by the hand-written kernel rules, from the config alone: before any weight is read."""
+    try:
+        deploy.check_targets_by_rules(recipe, config, arch, is_skipped)
+    except deploy.DeployError as e:
+        raise PreflightError(str(e)) from None
+
+
+def deploy_table(config, arch: Arch, recipe: Recipe, is_skipped) -> dict:
+    """The deployability table (vLLM's own kernel choice where vLLM is installed); PreflightError when a
+    serve.target is not served on a Marlin-class kernel."""
+    table, modules = deploy.recipe_table(recipe, config, arch, is_skipped)
+    problem = deploy.target_problem(table, recipe, modules)
+    if problem:
+        raise PreflightError(problem)
+    return table.to_dict()
 
 
 def _layer_linears(config, arch: Arch) -> tuple[list[str], list[tuple[str, ...]], set[str]]:
