@@ -292,14 +292,22 @@ def _cell_of(raw: dict, order: list[str]) -> Cell:
     return cell
 
 
+RULES_ENV = "QUANTIZE_DEPLOY"  # "rules": answer with the hand-written rules even where vLLM is installed
+
+
 def build(q: dict, use_vllm: bool | None = None) -> Table:
-    """A query -> its Table, from the installed vLLM (in a child) or, without vLLM, from the hand-written rules."""
-    use_vllm = vllm_installed() if use_vllm is None else use_vllm
+    """A query -> its Table, from the installed vLLM (in a child) or, without vLLM, from the hand-written rules.
+
+    QUANTIZE_DEPLOY=rules skips the child (its vLLM import costs 30-90 s a cold cache): the test suite's many
+    tiny runs use it; the rules are held to vLLM's answers by tests/unit/test_deploy_agreement.py."""
+    forced = os.environ.get(RULES_ENV) == "rules"
+    use_vllm = (vllm_installed() and not forced) if use_vllm is None else use_vllm
     if use_vllm:
         answer = classify(ask_vllm([q])[0])
         source = f"vLLM {answer['vllm_version']}'s own kernel selection"
     else:
-        answer, source = rule_answer(q), "the hand-written rules (vLLM not installed)"
+        why = f"{RULES_ENV}=rules" if forced and vllm_installed() else "vLLM not installed"
+        answer, source = rule_answer(q), f"the hand-written rules ({why})"
     order = [m["name"] for m in q["modules"]]
     return Table(source, answer.get("vllm_version"), q["format"], q["group"], q["symmetric"], order,
                  [_cell_of(c, order) for c in answer["cells"]], answer.get("optional_kernels", {}))
@@ -336,6 +344,20 @@ def _cell_text(c: Cell, notes: dict[str, int]) -> str:
         return f"REFUSED [{n}]"
     kernel, _, module = c.slowest.partition(" (")
     return f"FALLBACK {kernel} [{n}]"
+
+
+def compact(table: dict, dtype: str) -> dict:
+    """A Table (as a dict) -> {"source", "vllm_version", "dtype", "kernels": {capability: {tp: text}}} for the
+    manifest, model card, registry and comparison: the kernel(s) every module runs, "fallback: <kernel>" or
+    "refused"."""
+    t = Table.from_dict(table)
+    kernels: dict[str, dict[str, str]] = {}
+    for c in t.cells:
+        if c.dtype == dtype:
+            text = c.slowest if c.verdict == MARLIN else "refused" if c.verdict == REFUSED else \
+                f"fallback: {c.slowest.partition(' (')[0]}"
+            kernels.setdefault(c.capability, {})[str(c.tp)] = text
+    return {"source": t.source, "vllm_version": t.vllm_version, "dtype": dtype, "kernels": kernels}
 
 
 # ---- shapes from a config alone, and the hand rules checked against vLLM ----
@@ -453,12 +475,12 @@ def check_targets_by_rules(recipe, config, arch, is_skipped) -> None:
         raise DeployError(problem)
 
 
-def recipe_table(recipe, config, arch, is_skipped) -> tuple[Table, list[dict]]:
+def recipe_table(recipe, config, arch, is_skipped, use_vllm: bool | None = None) -> tuple[Table, list[dict]]:
     """The full table for a recipe (vLLM's answer where it is installed; the hand rules' where it fails)."""
     modules = recipe_modules(recipe, config, arch, is_skipped)
     q = query(recipe, modules)
     try:
-        return build(q), modules
+        return build(q, use_vllm), modules
     except (RuntimeError, subprocess.TimeoutExpired, OSError, json.JSONDecodeError) as e:
         table = build(q, use_vllm=False)
         table.source = f"the hand-written rules (vLLM's own selection failed here: {str(e)[:160]})"

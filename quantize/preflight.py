@@ -2,8 +2,10 @@
 
 The model is instantiated on the meta device (shapes only). The result is a `Plan`: which linears are
 converted, which are kept in 16-bit and why, and for each converted linear the vLLM kernel it will get.
-The CUDA kernel rules are the format's (`formats.Format.cuda_kernel`: Marlin's tiles, GPTQ-Marlin's symmetry);
-on the CPU build every format runs through the CPU W4A16 kernel.
+The CUDA kernel rules are the format's (`formats.Format.cuda_kernel`, checked against vLLM's own selection by
+tests/unit/test_deploy_agreement.py); on the CPU build every format runs through the CPU W4A16 kernel. The plan
+also holds the deployability table (`deploy`: the kernel per GPU generation x tensor-parallel size) and refuses a
+recipe's serve.targets that vLLM would refuse or serve on a fallback.
 """
 
 from __future__ import annotations
@@ -193,8 +195,9 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
     return out
 
 
-NO_TARGETS = ("no serve.targets: nothing is refused for the GPU it will be served on; add serve.targets "
-              "(e.g. [{compute_capability: 9.0, tensor_parallel_size: 1}]) to have pre-flight check it")
+NO_TARGETS = ("no serve.targets: no GPU generation or tensor-parallel size is checked (the table above says what "
+              "vLLM would run on each); add serve.targets, e.g. [{compute_capability: 9.0, tensor_parallel_size: 1}], "
+              "to refuse one vLLM would refuse or serve on a fallback kernel")
 
 
 def check_targets(recipe: Recipe, config, arch: Arch, is_skipped) -> None:

@@ -35,7 +35,7 @@ def answers() -> dict:
     for name in RECIPES:
         recipe = load_recipe(name)
         config = read_config(ModelSource("x", ROOT / "bench" / "configs" / CONFIGS[recipe.model], "dir"))
-        table, _ = deploy.recipe_table(recipe, config, arch_for(config), is_skipped)
+        table, _ = deploy.recipe_table(recipe, config, arch_for(config), is_skipped, use_vllm=True)
         assert table.vllm_version, table.source  # pinned answers are vLLM's, never the hand rules'
         out[name] = {"vllm": table.vllm_version, "cells": {
             f"{c.capability}/tp{c.tp}/{c.dtype}": f"{c.verdict}: " + ", ".join(f"{m}={k}" for m, k in c.kernels.items())
