@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import calib, export, integrity, modelcard, serve_config, source
+from . import calib, deploy, export, integrity, modelcard, serve_config, source
 from .arch import Arch, UnsupportedArchitecture, arch_for, checkpoint_name
 from .experts import split_experts
 from .capture import run_shared
@@ -364,6 +364,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
             "notes": _notes(run.tied, run.storage_dtype, run.dtype) + run.numerics,
             "skipped_linears": the_plan.skipped,
             "tensor_parallel_sizes": the_plan.tp_sizes,
+            "deploy": deploy.compact(the_plan.deploy, recipe.dtype) if the_plan.deploy else None,
             "serve": serve,
             f"{recipe.method}_stats": {str(k): v for k, v in job.stats.items()},
             "shared_pass": run.shared,
