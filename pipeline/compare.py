@@ -102,6 +102,7 @@ def row(artifact: Path) -> dict:
         "token_agreement": smoke.get("token_agreement"),
         "eval_passed": None if rep is None else rep.get("passed"),
         "protocol": ppl.get("protocol"), "base_model": m["model"]["spec"], "source_bytes": source_bytes(m),
+        "h100_tp1_kernel": ((m.get("deploy") or {}).get("kernels") or {}).get("9.0", {}).get("1"),
     }
 
 
@@ -117,13 +118,14 @@ def render_markdown(name: str, rows: list[dict], meta: dict) -> str:
     if proto:
         lines += [f"Perplexity protocol: {protocol_sentence(proto)}; FP16 perplexity {fp:.4f}.", ""]
     lines += ["| variant | method | bits | group | format | size on disk (MB) | bits / weight | ppl | Δppl | Δ% "
-              "| quantize (s) | vLLM smoke |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+              "| quantize (s) | vLLM smoke | H100 TP 1 kernel |",
+              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['variant']} | {r['method']} | {r['w_bit']} | {r['group_size']} | {r['format']} | "
             f"{r['bytes_on_disk'] / 1e6:.2f} | {_fmt(r['bits_per_weight'], '.3f')} | {_fmt(r['ppl'], '.4f')} | "
             f"{_fmt(r['delta_ppl'], '+.4f')} | {_fmt(r['delta_ppl_pct'], '+.2f')} | {_fmt(r['quantize_s'], '.1f')} | "
-            f"{r['vllm_smoke']} |")
+            f"{r['vllm_smoke']} | {r.get('h100_tp1_kernel') or 'n/a'} |")
     lines += ["", "bits / weight: every byte of the quantized linears (codes, scales, zeros) x 8 / their weights. "
               "quantize (s): this variant's own share of the shared layer-by-layer pass.", ""]
     if meta.get("timings_s"):

@@ -163,7 +163,9 @@ def _register(artifact: Path, m: dict, report: dict, by_reference: bool, storage
     tags = {"base_model": m["model"]["spec"], "method": r["method"], "w_bit": str(r["w_bit"]),
             "group_size": str(r["q_group_size"]), "format": m["format"]["name"],
             "manifest_sha256": sha256_file(artifact / MANIFEST), "git_commit": str(m.get("git", {}).get("commit")),
-            "artifact_path": str(artifact), "by_reference": str(by_reference).lower()}
+            "artifact_path": str(artifact), "by_reference": str(by_reference).lower(),
+            **{f"vllm_kernel_cc{cap}_tp{tp}": text  # pre-flight's deployability table, one tag per cell
+               for cap, row in ((m.get("deploy") or {}).get("kernels") or {}).items() for tp, text in row.items()}}
     with mlflow.start_run(experiment_id=_experiment_id(client, tracking_uri()), run_name=m["artifact"]) as run:
         params = _flat(r)
         items = list(params.items())

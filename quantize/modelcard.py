@@ -144,7 +144,7 @@ def render(manifest: dict, report: dict | None = None) -> str:
         f"`{m['model']['spec']}` quantized to {r['w_bit']}-bit weights ({r['method'].upper()}, group size "
         f"{r['q_group_size']}, {'asymmetric with zero points' if r['zero_point'] else 'symmetric'}; activations "
         f"stay 16-bit), stored as {_title(m['format']['name'])}.", "",
-        *_serve(m),
+        *_serve(m), *_deploy(m),
         "## Quantization", "",
         "| setting | value |", "|---|---|",
         *[f"| {k} | {v} |" for k, v in (("method", r["method"]), ("bits", r["w_bit"]), ("group size", r["q_group_size"]),
@@ -237,6 +237,21 @@ def _experts(m: dict) -> list[str]:
             "|---:|---:|---:|---:|---:|---|", *rows, "",
             *([f"![Routed calibration tokens per layer and expert]({m['expert_plot']})", ""]
               if m.get("expert_plot") else [])]
+
+
+def _deploy(m: dict) -> list[str]:
+    """The kernel vLLM runs per GPU generation (rows) and tensor-parallel size (columns), from pre-flight."""
+    d = m.get("deploy")
+    if not d:
+        return []
+    tps = sorted({tp for row in d["kernels"].values() for tp in row}, key=int)
+    return ["## Deployability", "",
+            f"The kernel vLLM runs for every quantized layer in {d['dtype']} (from {d['source']}; docs/DEPLOY.md in "
+            f"the quantize repository says how to read it):", "",
+            "| compute capability | " + " | ".join(f"TP {tp}" for tp in tps) + " |",
+            "|---|" + "---|" * len(tps),
+            *[f"| {cap} | " + " | ".join(row.get(tp, "") for tp in tps) + " |" for cap, row in d["kernels"].items()],
+            ""]
 
 
 def _serve(m: dict) -> list[str]:

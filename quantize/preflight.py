@@ -2,8 +2,10 @@
 
 The model is instantiated on the meta device (shapes only). The result is a `Plan`: which linears are
 converted, which are kept in 16-bit and why, and for each converted linear the vLLM kernel it will get.
-The CUDA kernel rules are the format's (`formats.Format.cuda_kernel`: Marlin's tiles, GPTQ-Marlin's symmetry);
-on the CPU build every format runs through the CPU W4A16 kernel.
+The CUDA kernel rules are the format's (`formats.Format.cuda_kernel`, checked against vLLM's own selection by
+tests/unit/test_deploy_agreement.py); on the CPU build every format runs through the CPU W4A16 kernel. The plan
+also holds the deployability table (`deploy`: the kernel per GPU generation x tensor-parallel size) and refuses a
+recipe's serve.targets that vLLM would refuse or serve on a fallback.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from .errors import UserError
-from . import formats
+from . import deploy, formats
 from .arch import ARCHITECTURES, Arch, all_linears, checkpoint_name, decoder_layers, layer_prefix
 from .experts import split_experts
 from .recipe import Recipe
@@ -68,6 +70,7 @@ class Plan:
     tied_embeddings: bool = False  # lm_head shares the input embedding: kept tied, 16-bit, not written
     tensor_bytes: int = 0  # estimated bytes of every tensor the artifact will hold
     max_position_embeddings: int | None = None  # the model's context length (serve.max_model_len's bound)
+    deploy: dict | None = None  # deploy.Table: the kernel vLLM runs per GPU generation x tensor-parallel size
 
     def summary(self) -> str:
         kernels: dict[str, int] = {}
@@ -101,6 +104,8 @@ class Plan:
         if self.tied_embeddings:
             lines.append("lm_head: tied to the input embedding: kept tied and 16-bit (lm_head.weight not written)")
         lines.append(f"tensor-parallel sizes at which every layer stays divisible: {self.tp_sizes}")
+        if self.deploy is not None:
+            lines.append(deploy.render(deploy.Table.from_dict(self.deploy)))
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -184,10 +189,34 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
         shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
         raise PreflightError("the recipe cannot be applied to this model:\n  - " + "\n  - ".join(shown))
     out.tp_sizes = tp_sizes
+    out.deploy = deploy_table(config, arch, recipe, is_skipped)
     out.max_position_embeddings = context_length(config)
     out.tied_embeddings = tied_embeddings(meta)
     out.tensor_bytes = estimate_tensor_bytes(meta, set(out.convert), recipe, out.tied_embeddings)
     return out
+
+
+NO_TARGETS = ("no serve.targets: no GPU generation or tensor-parallel size is checked (the table above says what "
+              "vLLM would run on each); add serve.targets, e.g. [{compute_capability: 9.0, tensor_parallel_size: 1}], "
+              "to refuse one vLLM would refuse or serve on a fallback kernel")
+
+
+def check_targets(recipe: Recipe, config, arch: Arch, is_skipped) -> None:
+    """serve.targets by the hand-written kernel rules, from the config alone: before any weight is read."""
+    try:
+        deploy.check_targets_by_rules(recipe, config, arch, is_skipped)
+    except deploy.DeployError as e:
+        raise PreflightError(str(e)) from None
+
+
+def deploy_table(config, arch: Arch, recipe: Recipe, is_skipped) -> dict:
+    """The deployability table (vLLM's own kernel choice where vLLM is installed); PreflightError when a
+    serve.target is not served on a Marlin-class kernel."""
+    table, modules = deploy.recipe_table(recipe, config, arch, is_skipped)
+    problem = deploy.target_problem(table, recipe, modules)
+    if problem:
+        raise PreflightError(problem)
+    return table.to_dict()
 
 
 def _layer_linears(config, arch: Arch) -> tuple[list[str], list[tuple[str, ...]], set[str]]:

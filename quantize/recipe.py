@@ -134,6 +134,36 @@ KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2",
 SERVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$"
 
 
+# GPU generations vLLM serves 4-bit weights on (compute capability), as pre-flight's deployability table lists them
+SERVE_CAPABILITIES = ("7.5", "8.0", "8.6", "8.9", "9.0", "10.0", "12.0")
+
+
+class ServeTarget(_Strict):
+    """A GPU generation and tensor-parallel size the artifact must be served at on a Marlin-class kernel."""
+
+    compute_capability: float  # 9.0 = Hopper (H100/H200); pre-flight refuses a target vLLM would serve slower
+    tensor_parallel_size: int = Field(1, gt=0)
+
+    @field_validator("compute_capability")
+    @classmethod
+    def _cc(cls, v: float) -> float:
+        if f"{v:.1f}" not in SERVE_CAPABILITIES:
+            raise ValueError(f"serve.targets compute_capability {v} is not one vLLM lists; use one of "
+                             f"{', '.join(SERVE_CAPABILITIES)}")
+        return v
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tp(cls, v: int) -> int:
+        if v not in (1, 2, 4, 8):
+            raise ValueError(f"serve.targets tensor_parallel_size {v} must be 1, 2, 4 or 8")
+        return v
+
+    @property
+    def capability(self) -> str:
+        return f"{self.compute_capability:.1f}"
+
+
 class ServeOptions(_Strict):
     """How the artifact is served (written to its vllm-serve.yaml) and benchmarked (`make bench-serve`).
 
@@ -146,6 +176,9 @@ class ServeOptions(_Strict):
     tensor_parallel_size: int = Field(1, gt=0)
     kv_cache_dtype: str | None = None  # None = vLLM's default (the model dtype)
     concurrency: tuple[int, ...] = (1, 8, 32)  # make bench-serve's levels (requests in flight)
+    # GPUs the artifact must serve on with a Marlin-class kernel (pre-flight refuses otherwise); () = print the
+    # deployability table and warn
+    targets: tuple[ServeTarget, ...] = ()
 
     @field_validator("served_model_name")
     @classmethod

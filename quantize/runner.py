@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import calib, export, integrity, methods, modelcard, serve_config, source
+from . import calib, deploy, export, integrity, methods, modelcard, serve_config, source
 from .arch import Arch, UnsupportedArchitecture, arch_for, checkpoint_name
 from .experts import split_experts
 from .capture import run_shared
@@ -27,8 +27,8 @@ from .methods.layer import is_skipped
 from .pack import pack_all
 from .lock import output_lock
 from .paths import check_output_parent, child
-from .preflight import (ROUTER_KEPT, Plan, PreflightError, check_free_disk, cpu_moe_refusal, human_bytes, pick_device,
-                        plan, table_lacks, tied_embeddings)
+from .preflight import (NO_TARGETS, ROUTER_KEPT, Plan, PreflightError, check_free_disk, check_targets,
+                        cpu_moe_refusal, human_bytes, pick_device, plan, table_lacks, tied_embeddings)
 from .recipe import Recipe, load_recipe
 from .runlog import RunLog
 
@@ -118,12 +118,14 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
                                                f"(make ... FORCE=1)")
         src = source.resolve(first.model)
         config = source.read_config(src, first.trust_remote_code)
-        source.check_weights(src)
         try:
             arch = arch_for(config)
         except UnsupportedArchitecture as e:
             raise UnsupportedArchitecture(f"{e}; to add it, the table in quantize/arch.py needs: "
                                           f"{table_lacks(config, first.trust_remote_code)}") from None
+        for r in recipes:  # the GPUs the recipe must serve on: from the config alone, before the weight files
+            check_targets(r, config, arch, is_skipped)
+        source.check_weights(src)
         integrity.check_tensors(src, config, arch, first.trust_remote_code)
         if not any(methods.get(r.method).calibrates for r in recipes):  # calibration loads it otherwise
             source.load_tokenizer(src, first.trust_remote_code)  # an artifact without a usable tokenizer is refused
@@ -173,8 +175,10 @@ def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: 
     calib_line = (f"calibration: {c.n_samples} x {c.seq_len} tokens from {pf.calib_record['source']}"
                   if pf.calib_record else "calibration: none (rtn)")
     refused = cpu_moe_refusal(the_plan)
+    refused = "\n".join(x for x in (f"vLLM CPU: {refused}" if refused else "",
+                                     "" if recipe.serve.targets else f"warning: {NO_TARGETS}") if x)
     return f"{recipe.name}: {recipe.method} w{recipe.w_bit} g{recipe.q_group_size} format {recipe.out_format}\n" \
-           f"{the_plan.summary()}\n{the_plan.table()}\n" + (f"vLLM CPU: {refused}\n" if refused else "") + \
+           f"{the_plan.summary()}\n{the_plan.table()}\n" + (f"{refused}\n" if refused else "") + \
            f"output {out}: {human_bytes(pf.free_bytes)} free on its disk\n{calib_line}\n\n{the_plan.to_json()}"
 
 
@@ -310,6 +314,8 @@ def _plan_and_log(recipe: Recipe, config, arch):
     refused = cpu_moe_refusal(the_plan)
     if refused:
         log.warning("pre-flight: %s", refused)
+    if not recipe.serve.targets:
+        log.warning("pre-flight: %s", NO_TARGETS)
     return the_plan
 
 
@@ -376,6 +382,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
             "notes": _notes(run.tied, run.storage_dtype, run.dtype) + run.numerics,
             "skipped_linears": the_plan.skipped,
             "tensor_parallel_sizes": the_plan.tp_sizes,
+            "deploy": deploy.compact(the_plan.deploy, recipe.dtype) if the_plan.deploy else None,
             "serve": serve,
             job.method.stats_key: {str(k): v for k, v in job.stats.items()},
             "shared_pass": run.shared,

@@ -10,6 +10,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# pre-flight's deployability table from the hand-written rules: a vLLM child per tiny run would add 30-90 s each;
+# tests/unit/test_deploy_agreement.py and test_deploy_pinned.py ask vLLM itself
+os.environ.setdefault("QUANTIZE_DEPLOY", "rules")
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

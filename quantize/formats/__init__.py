@@ -19,18 +19,49 @@ if TYPE_CHECKING:
 # The facts here import no torch (recipe validation and the command line's light commands read them); the
 # layout modules (awq_gemm, gptq, compressed_tensors) and the decoders' maths are imported where they run.
 
-# vLLM's Marlin kernels (marlin_utils): these group sizes, in_features divisible by 128 and by the group size,
-# out_features divisible by 64
+# vLLM's Marlin kernels (marlin_utils, checked 0.32): these group sizes; a tile-misaligned shape is zero-padded
+# at weight preparation, so only a quantization group split between two GPUs stops Marlin
 MARLIN_GROUPS = (-1, 32, 64, 128)
-MARLIN_MIN_K, MARLIN_MIN_N = 128, 64
+MACHETE_GROUPS, MACHETE_TILE = (-1, 64, 128), (64, 128)  # Hopper only: group sizes, (in, out) tile
+TRITON_W4A16_GROUPS = (-1, 32, 64, 128, 256)
+# tiers of a kernel (deploy.py): Marlin-class, a slower fallback, or vLLM refuses the layer
+MARLIN, FALLBACK, REFUSED = "marlin", "fallback", "refused"
 
 
-def marlin_misfit(in_f: int, out_f: int, group: int) -> str:
-    """Why Marlin's tiles cannot take a linear [out, in] at this group size; "" when they can."""
-    if group in MARLIN_GROUPS and in_f % MARLIN_MIN_K == 0 and out_f % MARLIN_MIN_N == 0 and (
-            group == -1 or in_f % group == 0):
-        return ""
-    return f"in {in_f} % 128, out {out_f} % 64 or group {group} breaks Marlin's tiles"
+def marlin_misfit(in_f: int, in_pp: int, group: int) -> str:
+    """Why Marlin cannot take a linear with in_f inputs, in_pp of them on each GPU; "" when it can."""
+    if group not in MARLIN_GROUPS:
+        return f"group size {group} is not one of Marlin's {list(MARLIN_GROUPS)}"
+    if group != -1 and group < in_f and in_pp % group:
+        return f"in_features per GPU {in_pp} is not a multiple of group size {group} (a group would span two GPUs)"
+    return ""
+
+
+def _mp_kernel(in_f: int, in_pp: int, out_pp: int, group: int, zero_points: bool, cc: int, dtype: str,
+               exllama: bool) -> tuple[str, str, str]:
+    """vLLM's mixed-precision kernel list for 4-bit weights on CUDA, walked in its order -> (tier, kernel, why)."""
+    if cc == 90 and group in MACHETE_GROUPS and in_pp % MACHETE_TILE[0] == 0 and out_pp % MACHETE_TILE[1] == 0:
+        return MARLIN, "Machete", ""
+    why = marlin_misfit(in_f, in_pp, group)
+    if not why:
+        return MARLIN, "Marlin", ""
+    if exllama and dtype == "float16" and out_pp % 8 == 0 and group > 0 and in_f % group == 0:
+        return FALLBACK, "Exllama", why
+    g = in_pp if group == -1 else group
+    if out_pp % 8 == 0 and (group in TRITON_W4A16_GROUPS or group == in_f) and in_pp % g == 0:
+        return FALLBACK, "Triton W4A16", why
+    return REFUSED, "", f"{why}, and no other 4-bit kernel takes it{' in ' + dtype if exllama else ''}"
+
+
+def moe_marlin_misfit(hidden: int, inter_pp: int, group: int) -> str:
+    """Why vLLM's Marlin MoE kernel cannot take experts of this shape (intermediate size per GPU); "" if it can."""
+    if group not in MARLIN_GROUPS:
+        return f"group size {group} is not one of Marlin's {list(MARLIN_GROUPS)}"
+    if hidden % 128:
+        return f"hidden size {hidden} is not a multiple of 128"
+    if group > 0 and inter_pp % group:
+        return f"expert intermediate size per GPU {inter_pp} is not a multiple of group size {group}"
+    return ""
 
 
 def _act_order(recipe) -> bool:
@@ -87,8 +118,35 @@ class Format:
         raise NotImplementedError
 
     def cuda_kernel(self, in_f: int, out_f: int, group: int, symmetric: bool) -> tuple[str, str]:
-        """The kernel CUDA vLLM runs a linear [out, in] with -> (kernel, why not Marlin, or "")."""
-        raise NotImplementedError
+        """The --quantization method CUDA vLLM serves a linear [out, in] with on one GPU -> (method, why not
+        Marlin-class, or "")."""
+        marlin, fallback = self.served_as
+        refused = self.config_refusal(4, group, symmetric)
+        if refused:
+            return fallback, refused
+        tier, _kernel, why = self.cuda_rule(in_f, in_f, out_f, group, symmetric, 80, "float16")
+        return (marlin, "") if tier == MARLIN else (fallback, why)
+
+    def config_refusal(self, w_bit: int, group: int, symmetric: bool) -> str | None:
+        """Why vLLM refuses a checkpoint of this format whatever the GPU (its config), or None."""
+        return None
+
+    def cuda_rule(self, in_f: int, in_pp: int, out_pp: int, group: int, symmetric: bool, cc: int,
+                  dtype: str) -> tuple[str, str, str]:
+        """The kernel CUDA vLLM runs a linear with (in_f inputs, in_pp / out_pp per GPU) at compute capability
+        cc (e.g. 90) -> (tier, kernel, why not Marlin-class / why refused)."""
+        return _mp_kernel(in_f, in_pp, out_pp, group, not symmetric, cc, dtype, exllama=symmetric)
+
+    def moe_rule(self, hidden: int, inter_pp: int, group: int, symmetric: bool) -> tuple[str, str, str]:
+        """The kernel CUDA vLLM runs a fused MoE block with -> (tier, kernel, why not Marlin-class)."""
+        why = moe_marlin_misfit(hidden, inter_pp, group)
+        if not why:
+            return MARLIN, "Marlin MoE", ""
+        # vLLM's MoE WNA16 fallback halves the group size until it divides both sizes, down to 32 at least
+        if group > 0 and (inter_pp % 32 or hidden % 32):
+            return REFUSED, "", (f"{why}, and the MoE WNA16 fallback needs the hidden size ({hidden}) and the "
+                                 f"expert intermediate size per GPU ({inter_pp}) divisible by 32")
+        return FALLBACK, "Triton WNA16 MoE", why
 
 
 @dataclass(frozen=True)
@@ -139,9 +197,24 @@ class AwqGemm(Format):
             zeros = torch.full_like(zeros, symmetric_zero(bits))  # vLLM ignores qzeros without zero points
         return dequantize(codes, scales, zeros)
 
-    def cuda_kernel(self, in_f, out_f, group, symmetric):
-        # vLLM pads tile-misaligned AWQ layers for Marlin (allow_tile_padding=True)
-        return ("awq_marlin", "") if group in MARLIN_GROUPS else ("awq (gemm)", marlin_misfit(in_f, out_f, group))
+    def cuda_rule(self, in_f, in_pp, out_pp, group, symmetric, cc, dtype):
+        # vLLM's AWQ Marlin path needs zero points (Marlin takes uint4 only with them); otherwise, or when a
+        # group would span two GPUs, it falls back to its unoptimized AWQ GEMM kernel, which needs whole groups
+        # and 8 outputs per int32 on each GPU
+        why = "" if not symmetric else "without zero points vLLM does not use Marlin for AWQ"
+        why = why or marlin_misfit(in_f, in_pp, group)
+        if not why:
+            return _mp_kernel(in_f, in_pp, out_pp, group, True, cc, dtype, exllama=False)
+        g = in_f if group == -1 else group
+        if in_pp % g or out_pp % self.pack_along_out:
+            return REFUSED, "", (f"{why}; the AWQ GEMM fallback needs in_features per GPU ({in_pp}) divisible by "
+                                 f"the group size and out_features per GPU ({out_pp}) by 8")
+        return FALLBACK, "AWQ GEMM", why
+
+    def moe_rule(self, hidden, inter_pp, group, symmetric):
+        if group == -1:  # vLLM's AWQ MoE method sizes its scales by hidden // group: no per-channel AWQ experts
+            return REFUSED, "", "vLLM's AWQ MoE layers take no per-channel (group -1) scales"
+        return super().moe_rule(hidden, inter_pp, group, symmetric)
 
 
 @dataclass(frozen=True)
@@ -183,13 +256,29 @@ class Gptq(Format):
             zeros = torch.full_like(zeros, symmetric_zero(bits))  # vLLM ignores qzeros with sym
         return dequantize(codes, scales, zeros)
 
-    def cuda_kernel(self, in_f, out_f, group, symmetric):
-        why = marlin_misfit(in_f, out_f, group)
-        return ("gptq_marlin", "") if not why and symmetric else ("gptq (exllama)", why or "asymmetric")
+    def config_refusal(self, w_bit, group, symmetric):
+        if not symmetric:
+            return f"Unsupported quantization config: bits={w_bit}, sym=False (vLLM serves symmetric GPTQ only)"
+        if group not in MARLIN_GROUPS:
+            return f"GPTQ needs a Marlin group size {list(MARLIN_GROUPS)}, not {group}"
+        return None
 
 
 @dataclass(frozen=True)
 class CompressedTensors(Format):
+    def cuda_rule(self, in_f, in_pp, out_pp, group, symmetric, cc, dtype):
+        # whatever kernel vLLM picks, its compressed-tensors WNA16 scheme then refuses a group split between GPUs
+        tier, kernel, why = super().cuda_rule(in_f, in_pp, out_pp, group, symmetric, cc, dtype)
+        if group != -1 and in_pp % group:
+            return REFUSED, "", f"in_features per GPU {in_pp} is not a multiple of group size {group}"
+        return tier, kernel, why
+
+    def moe_rule(self, hidden, inter_pp, group, symmetric):
+        if group != -1 and (hidden % group or inter_pp % group):
+            return REFUSED, "", (f"compressed-tensors MoE needs the hidden size ({hidden}) and the expert "
+                                 f"intermediate size per GPU ({inter_pp}) divisible by group size {group}")
+        return super().moe_rule(hidden, inter_pp, group, symmetric)
+
     def pack(self, codes, scales, zeros, bits, symmetric):
         from . import compressed_tensors
 
@@ -214,9 +303,6 @@ class CompressedTensors(Format):
 
         return dequantize(*compressed_tensors.unpack(tensors, bits))
 
-    def cuda_kernel(self, in_f, out_f, group, symmetric):
-        why = marlin_misfit(in_f, out_f, group)
-        return ("compressed-tensors fallback kernel", why) if why else ("marlin (compressed-tensors wNa16)", "")
 
 
 AWQ = AwqGemm(

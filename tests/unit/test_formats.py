@@ -74,14 +74,15 @@ def test_readers_refuse_what_vllm_refuses():
 
 @pytest.mark.parametrize("fmt,shape,group,symmetric,kernel", [
     ("awq", (256, 512), 64, False, "awq_marlin"),
-    ("awq", (200, 512), 64, False, "awq_marlin"),  # vLLM pads AWQ layers for Marlin
+    ("awq", (200, 512), 64, False, "awq_marlin"),  # vLLM pads tile-misaligned layers for Marlin
+    ("awq", (256, 512), 64, True, "awq"),  # Marlin takes AWQ's uint4 only with zero points
     ("gptq", (256, 512), 128, True, "gptq_marlin"),
-    ("gptq", (256, 512), 128, False, "gptq (exllama)"),
-    ("gptq", (256, 192), 64, True, "gptq (exllama)"),  # in 192 is not a multiple of 128
-    ("compressed-tensors", (256, 512), -1, False, "marlin (compressed-tensors wNa16)"),
-    ("compressed-tensors", (96, 512), 64, True, "compressed-tensors fallback kernel"),  # out 96 % 64
+    ("gptq", (256, 512), 128, False, "gptq"),  # vLLM refuses asymmetric GPTQ checkpoints
+    ("gptq", (256, 192), 64, True, "gptq_marlin"),  # in 192 is not a multiple of 128: padded
+    ("compressed-tensors", (256, 512), -1, False, "compressed-tensors"),
+    ("compressed-tensors", (96, 512), 64, True, "compressed-tensors"),
 ])
 def test_cuda_kernel_rules(fmt, shape, group, symmetric, kernel):
     out_f, in_f = shape
     got, why = formats.get(fmt).cuda_kernel(in_f, out_f, group, symmetric)
-    assert got == kernel and (why == "") == ("marlin" in kernel)
+    assert got == kernel and (why == "") == (got == formats.get(fmt).served_as[0])

