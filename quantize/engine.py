@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from . import awq, gptq
+from . import awq, gptq, output_error
 from .arch import Arch, ScaleGroup, active_scale_groups, get_module, layer_prefix
 from .capture import LayerData, NumericalError, feed_inputs
 from .experts import routed_tokens
@@ -335,16 +335,34 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
     ranges = _clip_layer(data, arch, local, opts, spec, grams, dist) if opts.apply_clip else {}
     t2 = _clock(device)
     names = [n for n in arch.linears if n in local]
+    scaled = {n: data.layer.get_submodule(n).weight.data for n in names}  # W·s: rounding replaces, never edits
     if dist is None:
         with torch.no_grad():
             _awq_round(data, arch, names, ranges, grams, recipe, spec, scale_dtype, results)
     else:
         _awq_round_owned(data, arch, names, ranges, grams, recipe, spec, scale_dtype, results, dist)
     t3 = _clock(device)
+    stats[ERRORS] = _awq_errors(data, arch, recipe, scaled)
     stats["seconds"] = {"scale_search": round(t1 - t0, 4), "clip": round(t2 - t1, 4), "quantize": round(t3 - t2, 4)}
     if runlog is not None:
         runlog.stage(data.index, recipe.name, "awq", **stats["seconds"])
     return stats
+
+
+def _awq_errors(data: LayerData, arch: Arch, recipe, scaled: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each AWQ linear's relative output error (`output_error.from_inputs`) on the tokens its scale search scored:
+    scaled weights W·s against their codes, on the scaled inputs X / s."""
+    sizes = [t.shape[0] * t.shape[1] for t in data.inputs]
+    chosen = search_batches(sizes, recipe.awq.search_tokens, recipe.calibration.seed + data.index)
+    feature_of, rows = _feature_of(arch), {}
+    errors = {}
+    with torch.no_grad():
+        for n, w in scaled.items():
+            key = feature_of[n]
+            if key not in rows:
+                rows[key] = _rows(data.features[key], sizes, chosen)  # [tokens', in]
+            errors[n] = output_error.from_inputs(w, data.layer.get_submodule(n).weight.data, rows[key])
+    return _read_back(errors)
 
 
 def _hidden(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -572,6 +590,7 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
     sweep = gptq_sweep(recipe.advanced.gptq.kernel, device)
     seconds = {"hessian": 0.0, "sweep": 0.0}
     losses: dict[str, torch.Tensor] = {}  # read back once per layer, not once per linear (each read waits)
+    errors: dict[str, torch.Tensor] = {}  # relative output error on the calibration inputs (`output_error`)
     for stage in stages:
         names = [n for n in stage if n in local]
         if not names:
@@ -603,6 +622,9 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
                 _store(layer, n, layer_prefix(arch, data.index), codes, scales.to(scale_dtype), zeros, results)
                 losses[n] = row_loss.sum()
                 stats[n] = {"damp": r.damp_used, "dead_columns": r.dead_columns, "kernel": r.kernel}
+        for shared, ws, k in zip(groups, weights, keys):
+            for n, w in zip(shared, ws):
+                errors[n] = output_error.from_hessian(w, layer.get_submodule(n).weight.data, hessians[k])
         t2 = _clock(device)
         seconds["sweep"] += t2 - t1
         log.debug("layer %d stage %s: hessian %.4f s, sweep %.4f s", data.index + 1, "+".join(names), t1 - t0,
@@ -613,7 +635,16 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
         for n, loss in zip(losses, torch.stack(list(losses.values())).tolist()):
             stats[n] = {"loss": loss, **stats[n]}
     stats["seconds"] = {k: round(v, 4) for k, v in seconds.items()}
+    stats[ERRORS] = _read_back(errors)
     return stats
+
+
+ERRORS = "output_error"  # a layer's per-linear errors travel in its stats until `Job.process` files them apart
+
+
+def _read_back(errors: dict[str, torch.Tensor]) -> dict[str, float]:
+    """name -> 0-dim tensor on the device -> name -> float, in one read-back."""
+    return dict(zip(errors, torch.stack(list(errors.values())).tolist())) if errors else {}
 
 
 def propagation(recipe) -> str:
@@ -638,6 +669,7 @@ class Job:
     scale_dtype: torch.dtype
     results: dict[str, QuantResult] = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
+    errors: dict = field(default_factory=dict)  # layer -> linear -> relative output error (`output_error`)
     overrides: dict[str, torch.Tensor] = field(default_factory=dict)
     seconds: float = 0.0
     runlog: RunLog | None = None  # receives each layer's method stage seconds
@@ -663,6 +695,8 @@ class Job:
         else:
             _round_to_nearest(data.layer, _local(arch, data.index, self.convert) + moe_local, _spec(r),
                               self.scale_dtype, layer_prefix(arch, data.index), self.results)
+        if r.method in ("awq", "gptq"):
+            self.errors[data.index] = self.stats[data.index].pop(ERRORS, {})
         if moe_local and r.method in ("awq", "gptq"):
             t0 = _clock(data.inputs[0].device)
             moe = awq_moe if r.method == "awq" else gptq_moe
@@ -693,6 +727,7 @@ class Job:
                             for k, r in self.results.items() if self._in(k, lo, hi)},
                 "overrides": {k: t for k, t in self.overrides.items() if self._in(k, lo, hi)},
                 "stats": json.dumps({i: self.stats[i] for i in range(lo, hi) if i in self.stats}),
+                "errors": json.dumps({i: self.errors[i] for i in range(lo, hi) if i in self.errors}),
                 "seconds": self.seconds}
 
     def restore(self, snap: dict) -> None:
@@ -700,6 +735,7 @@ class Job:
                              for k, r in snap["results"].items()})
         self.overrides.update(snap["overrides"])
         self.stats.update({int(i): v for i, v in json.loads(snap["stats"]).items()})
+        self.errors.update({int(i): v for i, v in json.loads(snap.get("errors", "{}")).items()})
         self.seconds = snap["seconds"]
 
 

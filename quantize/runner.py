@@ -360,6 +360,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
             "tensor_parallel_sizes": the_plan.tp_sizes,
             "serve": serve,
             f"{recipe.method}_stats": {str(k): v for k, v in job.stats.items()},
+            **({"output_error": {str(k): v for k, v in job.errors.items()}} if job.errors else {}),
             "shared_pass": run.shared,
             "device": str(run.device), "compute_dtype": str(run.compute_dtype).removeprefix("torch."),
             "cuda_allocator": run.provenance["cuda_allocator"],
@@ -370,6 +371,8 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
         }
         if modelcard.plot_experts(extras, tmp / modelcard.EXPERT_PLOT) is not None:
             extras["expert_plot"] = modelcard.EXPERT_PLOT
+        if modelcard.plot_errors(extras, tmp / modelcard.ERROR_PLOT):
+            extras["error_plot"] = modelcard.ERROR_PLOT
         (tmp / "README.md").write_text(modelcard.render(extras))
         return extras
 
