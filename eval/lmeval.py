@@ -108,18 +108,23 @@ def run_on_model(model, tokenizer, task_dict: dict, limit: int | None, batch_siz
 
 
 def run_vllm(artifact: Path, tasks: list[str], limit: int | None, dtype: str, timeout_s: int) -> dict:
-    """lm-eval's vLLM backend on the artifact in a child process (the real 4-bit kernels) -> scores or error."""
-    with tempfile.TemporaryDirectory() as work:
-        cmd = [sys.executable, "-m", "lm_eval", "--model", "vllm", "--model_args",
-               f"pretrained={artifact},dtype={dtype},enforce_eager=True", "--tasks", ",".join(tasks),
-               "--include_path", str(TASKS_DIR), "--output_path", work] + (["--limit", str(limit)] if limit else [])
+    """lm-eval's vLLM backend on the artifact in a child process (the real 4-bit kernels), with the environment
+    and memory share the smoke's vLLM child gets -> scores, or the error."""
+    from .vllm_run import cuda_build, root_cause, vllm_env
+
+    share = 0.85 if cuda_build() else 0.3  # the CPU build reserves that share of host RAM
+    with tempfile.TemporaryDirectory(prefix="lm-eval-vllm-") as work:
+        args = f"pretrained={artifact},dtype={dtype},enforce_eager=True,gpu_memory_utilization={share}"
+        cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "vllm", "--model_args", args,
+               "--tasks", ",".join(tasks), "--include_path", str(TASKS_DIR), "--output_path", work]
+        cmd += ["--limit", str(limit)] if limit else []
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            proc = subprocess.run(cmd, env=vllm_env(Path(work)), capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return {"error": f"lm-eval's vLLM backend did not finish within {timeout_s} s"}
         if proc.returncode:
-            return {"error": proc.stderr.strip().splitlines()[-5:], "exit_code": proc.returncode}
+            return {"error": root_cause((proc.stdout or "") + (proc.stderr or "")), "exit_code": proc.returncode}
         found = sorted(Path(work).rglob("results*.json"))
         if not found:
             return {"error": "lm-eval wrote no results file"}

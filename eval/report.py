@@ -301,7 +301,8 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
         "reference_dtype": scored["dtype"], "scored_on": scored,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
         "perplexity": ppl, "distribution": dist, "gates": gates,
-        "output_error_worst": output_error.worst(manifest.get("output_error") or {}), "vllm_smoke": smoke_res, "lm_eval": lm,
+        "output_error_worst": output_error.worst(manifest.get("output_error") or {}),
+        "vllm_smoke": smoke_res, "lm_eval": lm,
         "quantize_timings_s": manifest.get("timings_s"), "eval_timings_s": timings, "passed": passed,
     }
     return report
@@ -349,8 +350,8 @@ def _lm_eval_md(lm: dict) -> list[str]:
             for m, v in metrics.items():
                 ref = lm["reference"]["scores"].get(task, {}).get(m)
                 vv = vllm.get(task, {}).get(m)
-                lines.append(f"| {task} | {m} | {_num(ref)} | {_num(v)} | {_num(lm['difference'][task].get(m), '+.4f')} "
-                             f"| {_num(vv)} |")
+                diff = lm["difference"][task].get(m)
+                lines.append(f"| {task} | {m} | {_num(ref)} | {_num(v)} | {_num(diff, '+.4f')} | {_num(vv)} |")
     v = lm.get("vllm") or {}
     if "skipped" in v:
         lines += ["", f"lm-eval's vLLM backend: skipped ({v['skipped']})."]
