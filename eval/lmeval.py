@@ -74,8 +74,7 @@ def load_tasks(tasks: tuple[str, ...]) -> tuple[dict, dict[str, str]]:
         return {}, skipped
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=any(t not in ours for t in wanted),
-                          verbosity="ERROR")
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=any(t not in ours for t in wanted))
     loaded = {}
     for t in wanted:
         t0 = time.perf_counter()

@@ -35,6 +35,7 @@ def test_lm_eval_scores_both_models_and_caches_the_reference(tiny_llama, tmp_pat
         perplexity=dict(dataset="wikitext2", seq_len=128, max_windows=2), vllm=dict(enabled=False),
         lm_eval=dict(tasks=["wikitext_continuation", "hellaswag"], limit=8)))
     out = runner.run(recipe, out_root=tmp_path / "a")
+    assert eval_main([str(recipe), "--artifact", str(out)]) == 0
     lm = json.loads((out / "report.json").read_text())["lm_eval"]
     ref, q = lm["reference"]["scores"]["wikitext_continuation"], lm["quantized"]["scores"]["wikitext_continuation"]
     assert 0 <= ref["acc"] <= 1 and 0 <= q["acc"] <= 1 and {"acc", "acc_norm"} <= set(q)
