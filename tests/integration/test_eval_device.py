@@ -301,7 +301,7 @@ def test_register_refuses_a_report_of_other_files(evaluated, tmp_path, monkeypat
     monkeypatch.setattr(report, "vllm_unavailable", lambda: None)
     monkeypatch.setattr(report, "smoke", lambda *a, **k: {"passed": True, "checks": {}, "errors": []})
     r = stages.evaluate(out, None, EvalOptions(perplexity=dict(dataset="wikitext2", seq_len=128, max_windows=2),
-                                                max_ppl_delta_pct=None))
+                                                max_ppl_delta_pct=None, max_kl=None, min_top1=None))
     registry.check_artifact(out)  # the report matches its files
     remade = tmp_path / "remade"
     shutil.copytree(out, remade)
