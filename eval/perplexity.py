@@ -21,6 +21,8 @@ from quantize.calib import hub_offline
 from quantize.errors import UserError
 from quantize.progress import Progress
 
+from . import distribution
+
 log = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -86,18 +88,30 @@ BATCH_TOKENS = 16384
 
 
 @torch.no_grad()
-def perplexity(model, wins: torch.Tensor, batch: int = 1, label: str = "model") -> dict:
+def perplexity(model, wins: torch.Tensor, batch: int = 1, label: str = "model", keep_topk: int | None = None,
+               reference: dict | None = None) -> dict:
     """Token-level exp(mean NLL) over windows [n, seq], `batch` windows per forward
-    -> {ppl, nll_sum, tokens, per_window_nll, seconds}."""
+    -> {ppl, nll_sum, tokens, per_window_nll, seconds}, plus from the same forwards:
+    keep_topk=k: "topk" = {"k", "logp" [n, seq - 1, k] float32, "idx" int32}, the model's k most likely next
+    tokens (a reference's distributions, for `distribution.compare`);
+    reference=that record: "distribution" = `distribution.summary` of this model against it (KL, top-1)."""
     device = next(model.parameters()).device
     nll_sum, tokens, per_window = 0.0, 0, []
+    kept, compared = [], []
     t0 = time.perf_counter()
     progress = Progress(len(wins), f"perplexity {label}", log, "window")
     for start in range(0, len(wins), batch):
         ids = wins[start : start + batch].to(device)  # [b, seq]
         logits = model(input_ids=ids, use_cache=False).logits  # [b, seq, vocab]
         for j in range(ids.shape[0]):
-            nll = F.cross_entropy(logits[j, :-1].float(), ids[j, 1:], reduction="sum").item()
+            logp = F.log_softmax(logits[j, :-1].float(), -1)  # [seq - 1, vocab]
+            nll = F.nll_loss(logp, ids[j, 1:], reduction="sum").item()  # = cross_entropy, one log_softmax shared
+            if keep_topk:
+                kept.append(distribution.reference_topk(logp, keep_topk))
+            if reference is not None:
+                w = start + j
+                compared.append(distribution.compare(logp, reference["logp"][w], reference["idx"][w]))
+            del logp
             nll_sum += nll
             tokens += ids.shape[1] - 1
             per_window.append(nll / (ids.shape[1] - 1))
@@ -105,8 +119,14 @@ def perplexity(model, wins: torch.Tensor, batch: int = 1, label: str = "model") 
                           f"{_exp(nll_sum / tokens):.4f}", f"ppl {_exp(nll_sum / tokens):.4f}")
         del logits
     progress.close()
-    return {"ppl": _exp(nll_sum / tokens), "nll_sum": nll_sum,
-            "tokens": tokens, "per_window_nll": per_window, "seconds": round(time.perf_counter() - t0, 2)}
+    out = {"ppl": _exp(nll_sum / tokens), "nll_sum": nll_sum,
+           "tokens": tokens, "per_window_nll": per_window, "seconds": round(time.perf_counter() - t0, 2)}
+    if keep_topk:
+        out["topk"] = {"k": keep_topk, "logp": torch.stack([v for v, _ in kept]),  # [n, seq - 1, k]
+                       "idx": torch.stack([i for _, i in kept])}
+    if reference is not None:
+        out["distribution"] = distribution.summary(compared, reference["k"])
+    return out
 
 
 def _exp(mean_nll: float) -> float:

@@ -6,6 +6,12 @@ record (text sha256, windows, tokens), the dtype, the device kind (CPU, or the G
 transformers versions. An entry is a JSON file holding its whole key beside the result; a lookup recomputes the
 key from the files on disk and accepts an entry only when the stored key equals it. The file name is only an
 address, never trusted.
+
+An entry may also hold the reference's per-token distributions on those windows (its top-k log-probabilities and
+token ids, `eval.distribution`): a safetensors file beside the JSON, named and hashed in the entry (key
+`distribution`), so KL and top-1 against the reference need no reference forward either. An entry without it (or
+whose file is missing, altered or of another k) still gives the perplexity; the eval then scores the reference once
+more and rewrites the entry with both.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-from quantize.files import atomic_write_text
+from safetensors.torch import load_file, save
+
+from quantize.files import atomic_write, atomic_write_text, sha256_file
 from quantize.source import TOKENIZER_FILES, cache_dir
 
 log = logging.getLogger(__name__)
@@ -107,18 +115,75 @@ def lookup(key: dict, root: Path | None = None) -> dict | None:
         log.warning("reference perplexity cache %s holds no usable result: recomputing", path)
         return None
     log.info("reference perplexity %.4f from the cache (%s)", result["ppl"], path)
-    return result
+    topk = _read_topk(path, entry.get("distribution"))
+    return {**result, "topk": topk} if topk is not None else dict(result)
+
+
+def _read_topk(path: Path, rec) -> dict | None:
+    """The entry's distributions file, verified against the sha256 the entry records -> {k, logp, idx}, or None."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("file"), str) or "/" in rec["file"]:
+        return None
+    f = path.parent / rec["file"]
+    try:
+        if sha256_file(f) != rec.get("sha256"):
+            log.warning("reference distributions %s differ from their cache entry: the reference runs again", f)
+            return None
+        t = load_file(str(f))
+    except (OSError, ValueError, RuntimeError) as e:
+        log.warning("reference distributions %s are unreadable (%s): the reference runs again", f, e)
+        return None
+    if set(t) != {"logp", "idx"} or t["logp"].shape != t["idx"].shape or t["logp"].shape[-1] != rec.get("k"):
+        return None
+    return {"k": rec["k"], "logp": t["logp"], "idx": t["idx"]}
 
 
 def store(key: dict, result: dict, root: Path | None = None) -> Path | None:
-    """Save a finite result under `key` (atomically); a cache that cannot be written is only a warning."""
+    """Save a finite result under `key` (atomically), with its `topk` distributions when it holds them (their file
+    first, then the entry naming it); a cache that cannot be written is only a warning."""
     if not math.isfinite(result["ppl"]):
         return None
     path = entry_path(key, root)
+    entry = {"key": key, "result": {k: result[k] for k in RESULT_KEYS}}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps({"key": key, "result": {k: result[k] for k in RESULT_KEYS}}) + "\n")
+        if result.get("topk") is not None:
+            t = result["topk"]
+            f = path.with_name(f"{path.stem}.topk.safetensors")
+            data = save({"logp": t["logp"].contiguous(), "idx": t["idx"].contiguous()})
+            atomic_write(f, lambda fh: fh.write(data))
+            entry["distribution"] = {"k": t["k"], "file": f.name, "sha256": hashlib.sha256(data).hexdigest(),
+                                     "bytes": len(data)}
+        atomic_write_text(path, json.dumps(entry) + "\n")
     except OSError as e:
         log.warning("reference perplexity not cached (%s): the next eval recomputes it", e)
         return None
     return path
+
+
+def _extra_path(key: dict, name: str, spec: dict, root: Path | None) -> Path:
+    path = entry_path(key, root)
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    return path.with_name(f"{path.stem}.{name}-{digest}.json")
+
+
+def lookup_extra(key: dict, name: str, spec: dict, root: Path | None = None) -> dict | None:
+    """Another reference result stored beside the entry of `key` (e.g. its lm-eval scores), for `spec` (what
+    else fixes it: tasks, limit); None unless the stored key and spec equal the asked ones."""
+    path = _extra_path(key, name, spec, root)
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict) or entry.get("key") != key or entry.get("spec") != spec:
+        return None
+    log.info("reference %s from the cache (%s)", name, path)
+    return entry.get("result")
+
+
+def store_extra(key: dict, name: str, spec: dict, result: dict, root: Path | None = None) -> None:
+    path = _extra_path(key, name, spec, root)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({"key": key, "spec": spec, "result": result}) + "\n")
+    except OSError as e:
+        log.warning("reference %s not cached (%s): the next eval recomputes it", name, e)

@@ -13,10 +13,6 @@ import logging
 import math
 import os
 import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -24,11 +20,10 @@ from pathlib import Path
 
 import torch
 
-from quantize import modelcard, source
-from quantize.calib import hub_offline
+from quantize import modelcard, output_error, source
 from quantize import manifest as manifest_file
 
-from . import refcache
+from . import distribution, lmeval, refcache
 from .artifact import load_dequantized
 from .perplexity import EvalInputError, Protocol, batch_windows, load_eval_text, perplexity, protocol_record, windows
 from .smoke import smoke, vllm_unavailable
@@ -42,24 +37,52 @@ def machine() -> str:
     return f"{platform.machine()} {cpu}, {os.cpu_count()} cores, {gpu}"
 
 
-def _lm_eval(artifact: Path, opts, dtype: str) -> dict:
-    """Run the lm-evaluation-harness (its vLLM backend) when its task data can be reached; else say why not."""
+def _lm_eval_tasks(opts) -> dict | None:
+    """The recipe's lm-eval tasks loaded (or each one's reason for not running) -> plan; None without tasks."""
     if not opts.tasks:
+        return None
+    why = lmeval.unavailable()
+    if why:
+        return {"skipped": why}
+    t0 = time.perf_counter()
+    loaded, not_run = lmeval.load_tasks(tuple(opts.tasks))
+    return {"tasks": loaded, "not_run": not_run, "load_s": round(time.perf_counter() - t0, 2)}
+
+
+def _lm_eval_reference(plan: dict | None, opts, key: dict, load_reference, tokenizer, batch: int,
+                       timings: dict) -> dict | None:
+    """The reference's lm-eval scores from the reference cache (same key, plus tasks and limit) or scored now on
+    the reference model (loaded only if the perplexity pass did not load it already)."""
+    if not plan or not plan.get("tasks"):
+        return None
+    spec = {"tasks": sorted(plan["tasks"]), "limit": opts.limit}
+    cached = refcache.lookup_extra(key, "lm_eval", spec)
+    if cached is not None:
+        return {**cached, "cached": True}
+    res = lmeval.run_on_model(load_reference(), tokenizer, plan["tasks"], opts.limit, batch)
+    timings["lm_eval_reference"] = res["seconds"]
+    refcache.store_extra(key, "lm_eval", spec, res)
+    return {**res, "cached": False}
+
+
+def _lm_eval_report(plan: dict | None, ref: dict | None, quant: dict | None, artifact: Path, opts, served: str,
+                    timings: dict) -> dict:
+    """The report's lm-eval record: both models' scores and their difference, the vLLM backend's scores of the
+    artifact where vLLM can serve it, and a line per task that did not run."""
+    if plan is None:
         return {"skipped": "no eval.lm_eval.tasks in the recipe"}
-    if hub_offline():
-        return {"skipped": f"HF_HUB_OFFLINE=1: task data for {list(opts.tasks)} cannot be fetched"}
-    if shutil.which("lm_eval") is None and subprocess.run([sys.executable, "-c", "import lm_eval"],
-                                                          capture_output=True).returncode:
-        return {"skipped": "lm-eval is not installed (pip install lm-eval)"}
-    with tempfile.TemporaryDirectory() as work:
-        cmd = [sys.executable, "-m", "lm_eval", "--model", "vllm", "--model_args",
-               f"pretrained={artifact},dtype={dtype},enforce_eager=True", "--tasks", ",".join(opts.tasks),
-               "--output_path", work] + (["--limit", str(opts.limit)] if opts.limit else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode:
-            return {"error": proc.stderr.strip().splitlines()[-5:], "exit_code": proc.returncode}
-        found = sorted(Path(work).rglob("results*.json"))
-        return json.loads(found[-1].read_text())["results"] if found else {"error": "no results file written"}
+    if "skipped" in plan:
+        return plan
+    out = {"tasks": list(opts.tasks), "limit": opts.limit, "not_run": plan["not_run"], "load_s": plan["load_s"]}
+    if ref is not None and quant is not None:
+        out.update(reference=ref, quantized=quant, difference=lmeval.difference(ref, quant))
+    why_not = "eval.lm_eval.vllm is false" if not opts.vllm else vllm_unavailable()
+    if why_not or not plan["tasks"]:
+        out["vllm"] = {"skipped": why_not or "no task loaded"}
+    else:
+        out["vllm"] = lmeval.run_vllm(artifact, sorted(plan["tasks"]), opts.limit, served, opts.timeout_s)
+        timings["lm_eval_vllm"] = out["vllm"].get("seconds")
+    return out
 
 
 def eval_device(manifest: dict) -> torch.device:
@@ -114,15 +137,19 @@ def _host_peak_bytes() -> int | None:
     return None
 
 
-def _reference_ppl(ctx: dict, load_reference, wins: torch.Tensor, record: dict, timings: dict) -> tuple[dict, dict]:
-    """The reference's perplexity from the cache (verified by its key) or scored now -> (result, cache info)."""
+def _reference_ppl(ctx: dict, key: dict, load_reference, wins: torch.Tensor, timings: dict) -> tuple[dict, dict]:
+    """The reference's perplexity and top-k distributions from the cache (verified by its key) or scored now
+    -> (result, cache info). An entry without the distributions is scored again and rewritten."""
     shared = ctx["shared"]
-    key = refcache.make_key(shared["model_sha256"], record, ctx["dtype"], ctx["device"])
     info = {"key_sha256": refcache.entry_path(key).stem, "model_sha256": shared["model_sha256"]}
     fp = refcache.lookup(key)
-    if fp is not None:
+    if fp is not None and fp.get("topk") is not None and fp["topk"]["k"] == distribution.TOPK:
         return fp, {**info, "hit": True}
-    fp = perplexity(load_reference(), wins, ctx["batch"], "reference")
+    if fp is not None:
+        log.info("the cached reference entry holds no top-%d distributions: scoring the reference once more",
+                 distribution.TOPK)
+        info["rewritten"] = "the entry held no reference distributions"
+    fp = perplexity(load_reference(), wins, ctx["batch"], "reference", keep_topk=distribution.TOPK)
     timings["perplexity_reference"] = fp["seconds"]
     stored = refcache.store(key, fp)
     return fp, {**info, "hit": False, "stored": str(stored) if stored else None}
@@ -136,7 +163,7 @@ def _hash_reference(shared: dict, timings: dict) -> None:
         timings["reference_hash"] = round(time.perf_counter() - t0, 2)
 
 
-def _gates(ppl: dict | None, eopts) -> dict:
+def _gates(ppl: dict | None, eopts, dist: dict | None = None) -> dict:
     failures = []
     if ppl is not None:
         broken = [f"{name} {ppl[k]['ppl']}" for k, name in (("fp16", "reference"), ("quantized", "quantized"))
@@ -149,8 +176,22 @@ def _gates(ppl: dict | None, eopts) -> dict:
         if not broken and eopts.max_ppl_delta_pct is not None and ppl["delta_pct"] > eopts.max_ppl_delta_pct:
             failures.append(f"perplexity delta {ppl['delta_pct']:.2f}% > eval.max_ppl_delta_pct "
                             f"{eopts.max_ppl_delta_pct}%")
+    failures += _distribution_gates(dist, eopts)
     return {"max_ppl_delta": eopts.max_ppl_delta, "max_ppl_delta_pct": eopts.max_ppl_delta_pct,
-            "failures": failures, "passed": not failures}
+            "max_kl": eopts.max_kl, "min_top1": eopts.min_top1, "failures": failures, "passed": not failures}
+
+
+def _distribution_gates(dist: dict | None, eopts) -> list[str]:
+    """eval.max_kl (mean KL, nats) and eval.min_top1 against the distribution record; NaN fails both."""
+    if not dist:
+        return []
+    out = []
+    kl, top1 = dist["kl_mean"], dist["top1"]
+    if eopts.max_kl is not None and not kl <= eopts.max_kl:  # `not <=`: a NaN fails
+        out.append(f"mean KL(reference || quantized) {kl:.4f} nats > eval.max_kl {eopts.max_kl}")
+    if eopts.min_top1 is not None and not top1 >= eopts.min_top1:
+        out.append(f"top-1 agreement with the reference {top1:.4f} < eval.min_top1 {eopts.min_top1}")
+    return out
 
 
 def _context(artifact: Path, base_spec: str, manifest: dict, compute_dtype, cache: dict | None) -> dict:
@@ -202,6 +243,7 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
         manifest = manifest_file.read(artifact)
     record = protocol_record(proto, text, where, wins)
     ctx["batch"] = batch_windows(device, proto.seq_len)
+    ctx["lm_batch"] = 8 if device.type == "cpu" else 32  # lm-eval requests per forward (short multiple-choice texts)
     log.info("eval on %s in %s: %d windows of %d tokens from %s, %d per forward", refcache.device_kind(device),
              str(dtype).removeprefix("torch."), wins.shape[0], proto.seq_len, where, ctx["batch"])
     held: dict = {}
@@ -222,22 +264,31 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
             smoke_res = smoke(artifact, load_reference, ctx["tokenizer"], ctx["served"], eopts.vllm.max_tokens,
                               eopts.vllm.min_token_agreement, eopts.vllm.timeout_s)
             timings["vllm_smoke"] = round(time.perf_counter() - t0, 2)
-    fp, cache_info = _reference_ppl(ctx, load_reference, wins, record, timings)
+    key = refcache.make_key(ctx["shared"]["model_sha256"], record, ctx["dtype"], ctx["device"])
+    fp, cache_info = _reference_ppl(ctx, key, load_reference, wins, timings)
+    lm_plan = _lm_eval_tasks(eopts.lm_eval)
+    lm_ref = _lm_eval_reference(lm_plan, eopts.lm_eval, key, load_reference, ctx["tokenizer"], ctx["lm_batch"],
+                                timings)
     held.clear()
     _free(device)
     t0 = time.perf_counter()
     quantized = load_dequantized(artifact, dtype, device)
     timings["load_quantized"] = round(time.perf_counter() - t0, 2)
-    q = perplexity(quantized, wins, ctx["batch"], "quantized")
+    q = perplexity(quantized, wins, ctx["batch"], "quantized", reference=fp["topk"])
     timings["perplexity_quantized"] = q["seconds"]
+    lm_q = None
+    if lm_ref is not None:
+        lm_q = lmeval.run_on_model(quantized, ctx["tokenizer"], lm_plan["tasks"], eopts.lm_eval.limit, ctx["lm_batch"])
+        timings["lm_eval_quantized"] = lm_q["seconds"]
     del quantized
     _free(device)
     delta = q["ppl"] - fp["ppl"]
     ppl = {"protocol": record, "fp16": {k: fp[k] for k in ("ppl", "tokens", "seconds")},
            "quantized": {k: q[k] for k in ("ppl", "tokens", "seconds")},
            "delta": delta, "delta_pct": 100 * delta / fp["ppl"]}
-    lm = _lm_eval(artifact, eopts.lm_eval, ctx["served"])
-    gates = _gates(ppl, eopts)
+    lm = _lm_eval_report(lm_plan, lm_ref, lm_q, artifact, eopts.lm_eval, ctx["served"], timings)
+    dist = q["distribution"]
+    gates = _gates(ppl, eopts, dist)
     passed = gates["passed"] and smoke_res.get("passed", True)
     scored = {"device": refcache.device_kind(device), "dtype": str(dtype).removeprefix("torch."),
               "windows_per_forward": ctx["batch"], "reference_cache": cache_info,
@@ -249,10 +300,70 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
         "base_model": base_spec,
         "reference_dtype": scored["dtype"], "scored_on": scored,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-        "perplexity": ppl, "gates": gates, "vllm_smoke": smoke_res, "lm_eval": lm,
+        "perplexity": ppl, "distribution": dist, "gates": gates,
+        "output_error_worst": output_error.worst(manifest.get("output_error") or {}),
+        "vllm_smoke": smoke_res, "lm_eval": lm,
         "quantize_timings_s": manifest.get("timings_s"), "eval_timings_s": timings, "passed": passed,
     }
     return report
+
+
+def _distribution_md(d: dict | None) -> list[str]:
+    """The KL / top-1 section of the report."""
+    if not d:
+        return []
+    return ["## Distance from the reference's next-token distribution", "",
+            f"Per predicted token of the perplexity windows ({d['tokens']} tokens, from the same forwards): "
+            f"KL(reference || quantized) in nats, over the reference's top-{d['k']} tokens plus one bucket for the "
+            f"rest (a lower bound of the full-vocabulary KL; the reference's tokens outside its top {d['k']} hold "
+            f"{d['tail_mass_mean']:.3f} of its mass on average, and the full KL exceeds this one by at most "
+            f"{d['kl_gap_bound_mean']:.3f} per token on average), and top-1 agreement (exact).", "",
+            "| KL mean | KL median | KL p99 | KL max | top-1 agreement |", "|---:|---:|---:|---:|---:|",
+            f"| {d['kl_mean']:.4f} | {d['kl_median']:.4f} | {d['kl_p99']:.4f} | {d['kl_max']:.3f} | {d['top1']:.4f} |",
+            "", "Worst windows: " + ", ".join(f"#{w['window']} (KL {w['kl_mean']:.4f}, top-1 {w['top1']:.3f})"
+                                              for w in d["worst_windows"]), ""]
+
+
+def _errors_md(top: list | None) -> list[str]:
+    """The ten linears with the largest relative output error (from the manifest; `quantize.output_error`)."""
+    if not top:
+        return []
+    return ["## Where the error comes from", "",
+            "Relative output error ||X(W-Q)ᵀ|| / ||XWᵀ|| of each linear on its calibration inputs, recorded as "
+            "the method ran (all of them: `manifest.json`, `output_error`). The ten largest:", "",
+            "| layer | linear | error |", "|---:|---|---:|",
+            *[f"| {x['layer']} | {x['linear']} | {x['error']:.4f} |" for x in top], ""]
+
+
+def _lm_eval_md(lm: dict) -> list[str]:
+    """lm-eval's scores of both models and their difference, the vLLM backend's, and the tasks that did not run."""
+    if "skipped" in lm:
+        return [f"Skipped: {lm['skipped']}"]
+    lines = [f"Tasks {', '.join(lm['tasks'])}" + (f", {lm['limit']} documents each" if lm.get("limit") else "")
+             + "; scored by lm-eval on the models this eval holds (reference"
+             + (" from the cache" if (lm.get("reference") or {}).get("cached") else "") + ").", ""]
+    if lm.get("quantized"):
+        lines += ["| task | metric | FP16 (base) | quantized | Δ | quantized, vLLM backend |",
+                  "|---|---|---:|---:|---:|---:|"]
+        vllm = (lm.get("vllm") or {}).get("scores") or {}
+        for task, metrics in lm["quantized"]["scores"].items():
+            for m, v in metrics.items():
+                ref = lm["reference"]["scores"].get(task, {}).get(m)
+                vv = vllm.get(task, {}).get(m)
+                diff = lm["difference"][task].get(m)
+                lines.append(f"| {task} | {m} | {_num(ref)} | {_num(v)} | {_num(diff, '+.4f')} | {_num(vv)} |")
+    v = lm.get("vllm") or {}
+    if "skipped" in v:
+        lines += ["", f"lm-eval's vLLM backend: skipped ({v['skipped']})."]
+    elif "error" in v:
+        lines += ["", f"lm-eval's vLLM backend failed: {v['error']}"]
+    for task, why in (lm.get("not_run") or {}).items():
+        lines += ["", f"- `{task}`: {why}"]
+    return lines
+
+
+def _num(v, spec: str = ".4f") -> str:
+    return "n/a" if v is None else format(v, spec)
 
 
 def render_markdown(r: dict) -> str:
@@ -267,8 +378,10 @@ def render_markdown(r: dict) -> str:
         f"| FP16 (base) | {p['fp16']['ppl']:.4f} | | |",
         f"| quantized (decoded from the artifact) | {p['quantized']['ppl']:.4f} | {p['delta']:+.4f} | "
         f"{p['delta_pct']:+.2f} |", "",
-        f"Gates: max Δ {r['gates']['max_ppl_delta']}, max Δ% {r['gates']['max_ppl_delta_pct']}: "
+        f"Gates: max Δ {r['gates']['max_ppl_delta']}, max Δ% {r['gates']['max_ppl_delta_pct']}, max KL "
+        f"{r['gates'].get('max_kl')}, min top-1 {r['gates'].get('min_top1')}: "
         + ("passed" if r["gates"]["passed"] else "FAILED: " + "; ".join(r["gates"]["failures"])), "",
+        *_distribution_md(r.get("distribution")), *_errors_md(r.get("output_error_worst")),
         "## vLLM smoke-load", "",
     ]
     if "skipped" in s:
@@ -290,6 +403,6 @@ def render_markdown(r: dict) -> str:
                 lines.append(f"| {esc(x['prompt'])} | {esc(x['completion'])} |")
         for e in s["errors"]:
             lines.append(f"\n- error: {e}")
-    lines += ["", "## lm-eval", "", "```", json.dumps(r["lm_eval"], indent=1)[:2000], "```", "",
+    lines += ["", "## lm-eval", "", *_lm_eval_md(r["lm_eval"]), "",
               "## Timings (s)", "", f"quantize: {r['quantize_timings_s']}", "", f"eval: {r['eval_timings_s']}", ""]
     return "\n".join(lines)

@@ -94,6 +94,16 @@ def run_eval(artifact: Path, base: str | None, eopts, cache: dict | None = None)
     print(f"perplexity FP16 {p['fp16']['ppl']:.4f}  quantized {p['quantized']['ppl']:.4f}  "
           f"delta {p['delta']:+.4f} ({p['delta_pct']:+.2f}%)  [{p['protocol']['windows']} x "
           f"{p['protocol']['seq_len']} tokens]")
+    if d := r.get("distribution"):
+        print(f"KL(reference || quantized) mean {d['kl_mean']:.4f}  p99 {d['kl_p99']:.4f} nats  top-1 agreement "
+              f"{d['top1']:.4f}  [top-{d['k']} of the reference]")
+    lm = r.get("lm_eval") or {}
+    for task, metrics in ((lm.get("quantized") or {}).get("scores") or {}).items():
+        ref = lm["reference"]["scores"].get(task, {})
+        print(f"lm-eval {task}: " + "  ".join(f"{m} FP16 {ref.get(m, float('nan')):.4f} quantized {v:.4f}"
+                                              for m, v in metrics.items()))
+    for task, why in (lm.get("not_run") or {}).items():
+        print(f"lm-eval {task}: {why}")
     s = r["vllm_smoke"]
     if "skipped" in s:
         print(f"vLLM smoke: skipped ({s['skipped']})")

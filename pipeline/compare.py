@@ -100,6 +100,7 @@ def row(artifact: Path) -> dict:
         "vllm_smoke": ("not run" if rep is None else "skipped" if "skipped" in smoke
                        else "passed" if smoke.get("passed") else "FAILED"),
         "token_agreement": smoke.get("token_agreement"),
+        **{k: ((rep or {}).get("distribution") or {}).get(k) for k in ("kl_mean", "kl_p99", "top1")},
         "eval_passed": None if rep is None else rep.get("passed"),
         "protocol": ppl.get("protocol"), "base_model": m["model"]["spec"], "source_bytes": source_bytes(m),
         "h100_tp1_kernel": ((m.get("deploy") or {}).get("kernels") or {}).get("9.0", {}).get("1"),
@@ -118,43 +119,52 @@ def render_markdown(name: str, rows: list[dict], meta: dict) -> str:
     if proto:
         lines += [f"Perplexity protocol: {protocol_sentence(proto)}; FP16 perplexity {fp:.4f}.", ""]
     lines += ["| variant | method | bits | group | format | size on disk (MB) | bits / weight | ppl | Δppl | Δ% "
-              "| quantize (s) | vLLM smoke | H100 TP 1 kernel |",
-              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+              "| KL mean | KL p99 | top-1 | quantize (s) | vLLM smoke | H100 TP 1 kernel |",
+              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['variant']} | {r['method']} | {r['w_bit']} | {r['group_size']} | {r['format']} | "
             f"{r['bytes_on_disk'] / 1e6:.2f} | {_fmt(r['bits_per_weight'], '.3f')} | {_fmt(r['ppl'], '.4f')} | "
-            f"{_fmt(r['delta_ppl'], '+.4f')} | {_fmt(r['delta_ppl_pct'], '+.2f')} | {_fmt(r['quantize_s'], '.1f')} | "
+            f"{_fmt(r['delta_ppl'], '+.4f')} | {_fmt(r['delta_ppl_pct'], '+.2f')} | {_fmt(r.get('kl_mean'), '.4f')} | "
+            f"{_fmt(r.get('kl_p99'), '.4f')} | {_fmt(r.get('top1'), '.4f')} | {_fmt(r['quantize_s'], '.1f')} | "
             f"{r['vllm_smoke']} | {r.get('h100_tp1_kernel') or 'n/a'} |")
-    lines += ["", "bits / weight: every byte of the quantized linears (codes, scales, zeros) x 8 / their weights. "
+    lines += ["", "KL: mean and p99 per-token KL(FP16 || variant) in nats on the perplexity windows (over the FP16 "
+              "model's top-k tokens and the rest as one bucket: a lower bound); top-1: share of tokens whose most "
+              "likely next token agrees with FP16's.",
+              "", "bits / weight: every byte of the quantized linears (codes, scales, zeros) x 8 / their weights. "
               "quantize (s): this variant's own share of the shared layer-by-layer pass.", ""]
     if meta.get("timings_s"):
         lines += [f"Timings of this comparison run (s): {meta['timings_s']}", ""]
-    lines += [f"![Δppl against bits per weight and size]({name}.png)", ""]
+    lines += [f"![Δppl against bits per weight and size, KL against bits per weight]({name}.png)", ""]
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    """Perplexity increase (%) against bits per weight and against size on disk, one labelled point per variant."""
+    """Perplexity increase (%) against bits per weight and against size on disk, and mean KL against bits per
+    weight, one labelled point per variant."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = [r for r in rows if r["delta_ppl_pct"] is not None]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, label in ((axes[0], "bits_per_weight", "effective bits per weight (quantized linears)"),
-                           (axes[1], "bytes_on_disk", "size on disk (MB)")):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, key, label, y, ylabel in (
+            (axes[0], "bits_per_weight", "effective bits per weight (quantized linears)", "delta_ppl_pct",
+             "perplexity increase vs FP16 (%)"),
+            (axes[1], "bytes_on_disk", "size on disk (MB)", "delta_ppl_pct", "perplexity increase vs FP16 (%)"),
+            (axes[2], "bits_per_weight", "effective bits per weight (quantized linears)", "kl_mean",
+             "mean KL(FP16 || variant) (nats)")):
+        pts = [r for r in rows if r.get(y) is not None]
         for r in pts:
             x = r[key] / 1e6 if key == "bytes_on_disk" else r[key]
-            ax.scatter(x, r["delta_ppl_pct"], s=40, color=_colour(r["method"]))
-            ax.annotate(f"{r['method']} g{r['group_size']}", (x, r["delta_ppl_pct"]), textcoords="offset points",
+            ax.scatter(x, r[y], s=40, color=_colour(r["method"]))
+            ax.annotate(f"{r['method']} g{r['group_size']}", (x, r[y]), textcoords="offset points",
                         xytext=(5, 4), fontsize=8)
         ax.set_xlabel(label)
-        ax.set_ylabel("perplexity increase vs FP16 (%)")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    if not pts:
-        axes[0].text(0.5, 0.5, "no perplexity measured (eval off)", ha="center", transform=axes[0].transAxes)
+        if not pts:
+            ax.text(0.5, 0.5, "not measured (eval off)", ha="center", transform=ax.transAxes)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -133,6 +133,12 @@ def _metrics(m: dict, report: dict) -> dict[str, float]:
            "ppl_delta_pct": p["delta_pct"], "ppl_windows": p["protocol"]["windows"],
            "vllm_smoke_passed": float(bool(s.get("passed"))),
            "artifact_bytes": sum(f["bytes"] for f in m["files"].values())}
+    d = report.get("distribution") or {}
+    out.update({k: d[k] for k in ("kl_mean", "kl_median", "kl_p99", "top1") if isinstance(d.get(k), (int, float))})
+    lm = report.get("lm_eval") or {}
+    for side in ("reference", "quantized"):
+        for task, metrics in ((lm.get(side) or {}).get("scores") or {}).items():
+            out.update({f"lm_eval_{side}_{task}_{m}": v for m, v in metrics.items() if "stderr" not in m})
     for key in ("token_agreement", "load_s", "tokens_per_s"):
         if isinstance(s.get(key), (int, float)):
             out[f"vllm_{key}"] = s[key]
@@ -203,11 +209,13 @@ def versions(name: str | None = None) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'model':32s} {'ver':>3s} {'method':6s} {'g':>4s} {'ppl':>9s} {'Δ%':>7s} {'smoke':6s} source"
+    head = (f"{'model':32s} {'ver':>3s} {'method':6s} {'g':>4s} {'ppl':>9s} {'Δ%':>7s} {'KL':>7s} {'top1':>6s} "
+            f"{'smoke':6s} source")
     lines = [head, "-" * len(head)]
     for x in rows:
         mt, tg = x["metrics"], x["tags"]
         lines.append(f"{x['name']:32s} {x['version']:>3d} {tg.get('method', '?'):6s} {tg.get('group_size', '?'):>4s} "
                      f"{mt.get('ppl', float('nan')):9.4f} {mt.get('ppl_delta_pct', float('nan')):+7.2f} "
+                     f"{mt.get('kl_mean', float('nan')):7.4f} {mt.get('top1', float('nan')):6.3f} "
                      f"{'ok' if mt.get('vllm_smoke_passed') else 'FAIL':6s} {x['source']}")
     return "\n".join(lines) if rows else f"no registered versions in {tracking_uri()}"

@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from .arch import arch_for
-    from .engine import is_skipped
+    from .methods.layer import is_skipped
     from .recipe import load_variants
     from .source import ModelSource, read_config, resolve
 

@@ -18,6 +18,7 @@ from .capture import LayerData, NumericalError
 from .device import clock as _clock
 from .distributed import Dist
 from .formats.packing import pack_int32, unpack_int32
+from .methods.base import ERRORS
 from .methods.layer import QuantResult, feature_of, local_linears, moe_linears
 from .runlog import RunLog
 
@@ -39,6 +40,7 @@ class Job:
     scale_dtype: torch.dtype
     results: dict[str, QuantResult] = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
+    errors: dict = field(default_factory=dict)  # layer -> linear -> relative output error (`output_error`)
     overrides: dict[str, torch.Tensor] = field(default_factory=dict)
     seconds: float = 0.0
     runlog: RunLog | None = None  # receives each layer's method stage seconds
@@ -64,6 +66,8 @@ class Job:
         """The method's job on one decoder layer, then on its mixture-of-experts block if it has one."""
         m, device = self.method, next(data.layer.parameters()).device
         stats = m.layer(data, self)
+        if ERRORS in stats:
+            self.errors[data.index] = stats.pop(ERRORS)
         moe = moe_linears(data.layer, self.arch, data.index, self.convert)
         if moe:
             t0 = _clock(device)
@@ -95,6 +99,7 @@ class Job:
                             for k, r in self.results.items() if self._in(k, lo, hi)},
                 "overrides": {k: t for k, t in self.overrides.items() if self._in(k, lo, hi)},
                 "stats": json.dumps({i: self.stats[i] for i in range(lo, hi) if i in self.stats}),
+                "errors": json.dumps({i: self.errors[i] for i in range(lo, hi) if i in self.errors}),
                 "seconds": self.seconds}
 
     def restore(self, snap: dict) -> None:
@@ -102,6 +107,7 @@ class Job:
                              for k, r in snap["results"].items()})
         self.overrides.update(snap["overrides"])
         self.stats.update({int(i): v for i, v in json.loads(snap["stats"]).items()})
+        self.errors.update({int(i): v for i, v in json.loads(snap.get("errors", "{}")).items()})
         self.seconds = snap["seconds"]
 
 

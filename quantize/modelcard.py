@@ -14,7 +14,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from . import formats, methods, serve_config
+from . import formats, methods, output_error, serve_config
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,32 @@ def _eval_results(report: dict | None) -> list[EvalResult]:
             EvalResult(**where, metric_type="perplexity", metric_name="perplexity (FP16 base)",
                        metric_value=round(p["fp16"]["ppl"], 4)),
             EvalResult(**where, metric_type="perplexity_delta_pct", metric_name="perplexity increase (%)",
-                       metric_value=round(p["delta_pct"], 3))]
+                       metric_value=round(p["delta_pct"], 3)),
+            *_distribution_results(report.get("distribution"), where), *_lm_eval_results(report.get("lm_eval"))]
+
+
+def _lm_eval_results(lm: dict | None) -> list[EvalResult]:
+    """The artifact's lm-eval scores (decoded model), one entry per task and metric."""
+    out = []
+    for task, metrics in (((lm or {}).get("quantized") or {}).get("scores") or {}).items():
+        for m, v in metrics.items():
+            if "stderr" not in m:
+                out.append(EvalResult(task_type="text-generation", task_name=task, dataset_type=task,
+                                      dataset_name=task, metric_type=m, metric_name=f"{task} {m} (lm-eval)",
+                                      metric_value=round(v, 5)))
+    return out
+
+
+def _distribution_results(d: dict | None, where: dict) -> list[EvalResult]:
+    """KL and top-1 agreement against the FP16 base, on the perplexity windows (`eval.distribution`)."""
+    if not d:
+        return []
+    return [EvalResult(**where, metric_type="kl_divergence", metric_name="KL(base || quantized), mean (nats)",
+                       metric_value=round(d["kl_mean"], 5)),
+            EvalResult(**where, metric_type="kl_divergence_p99", metric_name="KL(base || quantized), p99 (nats)",
+                       metric_value=round(d["kl_p99"], 5)),
+            EvalResult(**where, metric_type="top1_agreement", metric_name="top-1 agreement with the base",
+                       metric_value=round(d["top1"], 5))]
 
 
 def card_data(m: dict, report: dict | None) -> ModelCardData:
@@ -127,6 +152,10 @@ def _evaluation(report: dict | None) -> list[str]:
              "| model | perplexity | Δ | Δ % |", "|---|---:|---:|---:|",
              f"| FP16 base | {p['fp16']['ppl']:.4f} | | |",
              f"| this artifact | {p['quantized']['ppl']:.4f} | {p['delta']:+.4f} | {p['delta_pct']:+.2f} |", ""]
+    if d := report.get("distribution"):
+        lines += [f"Next-token distribution against the FP16 base on the same windows: KL mean {d['kl_mean']:.4f}, "
+                  f"p99 {d['kl_p99']:.4f} nats (over the base's top-{d['k']} tokens and the rest as one bucket: a "
+                  f"lower bound); top-1 agreement {d['top1']:.4f}.", ""]
     if "skipped" in s:
         lines.append(f"vLLM smoke-load: skipped ({s['skipped']}).")
     else:
@@ -153,13 +182,58 @@ def render(manifest: dict, report: dict | None = None) -> str:
                                          ("calibration", _calibration_text(m.get("calibration"))),
                                          ("linears left 16-bit", ", ".join(_kept_16bit(m)) or "none"),
                                          ("tensor-parallel sizes", m.get("tensor_parallel_sizes")))],
-        "", *_experts(m), "## Evaluation", "", *_evaluation(report), "",
+        "", *_experts(m), *_errors(m), "## Evaluation", "", *_evaluation(report), "",
         "## Integrity and reproduction", "",
         "`manifest.json` lists the sha256 of every file; `python -m pipeline eval --artifact <dir>` and the registry refuse "
         "the directory if any file differs. `recipe.yaml` is the resolved recipe; re-run it with "
         f"`make quantize RECIPE={m['artifact']}` (quantize git commit `{(m.get('git') or {}).get('commit')}`).", ""]
     card = ModelCard(f"---\n{card_data(m, report).to_yaml()}\n---\n\n" + "\n".join(body))
     return str(card)
+
+
+ERROR_PLOT = "output-error.png"  # each linear's relative output error over depth, linked from the card
+
+
+def plot_errors(m: dict, path: Path) -> bool:
+    """The manifest's per-linear output errors (`quantize.output_error`) over depth, a line per linear name,
+    written to `path` -> whether it was drawn (not for a manifest without them, or without matplotlib)."""
+    curves = output_error.by_depth(m.get("output_error") or {})
+    if not curves:
+        return False
+    try:
+        import matplotlib
+    except ImportError:
+        log.warning("matplotlib is not installed: no %s (the errors are in manifest.json)", path.name)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, pts in curves.items():
+        ax.plot([i for i, _ in pts], [e for _, e in pts], marker=".", label=name)
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("relative output error ||X(W-Q)ᵀ|| / ||XWᵀ||")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(f"{m['artifact']}: quantization error of each linear on its calibration inputs", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})  # no version stamp: the same errors, the same bytes
+    plt.close(fig)
+    return True
+
+
+def _errors(m: dict) -> list[str]:
+    """The ten linears with the largest output error, and the plot over depth; [] without the record."""
+    top = output_error.worst(m.get("output_error") or {})
+    if not top:
+        return []
+    return ["## Where the error comes from", "",
+            "Each quantized linear's relative output error on its calibration inputs, ||X(W-Q)ᵀ|| / ||XWᵀ|| (the "
+            "quantity the method minimises; every linear's is in `manifest.json` under `output_error`). The ten "
+            "largest:", "", "| layer | linear | error |", "|---:|---|---:|",
+            *[f"| {r['layer']} | {r['linear']} | {r['error']:.4f} |" for r in top], "",
+            *([f"![Relative output error per linear over depth]({m['error_plot']})", ""] if m.get("error_plot") else [])]
 
 
 EXPERT_PLOT = "experts.png"  # a MoE artifact's heatmap of routed calibration tokens, linked from the card

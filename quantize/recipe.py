@@ -114,8 +114,19 @@ class VllmSmokeOptions(_Strict):
 
 
 class LmEvalOptions(_Strict):
+    """lm-evaluation-harness tasks, scored on both models in the eval stage (eval/lmeval.py). Shipped tasks
+    (eval/tasks/, e.g. wikitext_continuation) need no network; any other lm-eval task needs its data."""
+
     tasks: tuple[str, ...] = ()
-    limit: int | None = Field(None, gt=0)
+    limit: int | None = Field(None, gt=0)  # documents per task (None = all)
+    vllm: bool = True  # also score the artifact through lm-eval's vLLM backend where vLLM can serve it
+    timeout_s: int = Field(1800, gt=0)  # the vLLM backend's child process
+
+
+# Default distribution gates: a healthy 4-bit artifact passes them, one damaged linear fails them
+# (docs/BENCHMARKS.md: SmolLM2-135M, measured figures)
+MAX_KL = 0.5
+MIN_TOP1 = 0.6
 
 
 class EvalOptions(_Strict):
@@ -125,6 +136,9 @@ class EvalOptions(_Strict):
     perplexity: PerplexityOptions = PerplexityOptions()
     max_ppl_delta: float | None = Field(None, ge=0)  # quantized ppl - FP16 ppl
     max_ppl_delta_pct: float | None = Field(None, ge=0)  # 100 * delta / FP16 ppl
+    # per-token KL(reference || quantized) on the perplexity windows, mean in nats (eval/distribution.py)
+    max_kl: float | None = Field(MAX_KL, ge=0)
+    min_top1: float | None = Field(MIN_TOP1, ge=0, le=1)  # share of tokens whose most likely next token agrees
     vllm: VllmSmokeOptions = VllmSmokeOptions()
     lm_eval: LmEvalOptions = LmEvalOptions()
 

@@ -385,6 +385,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
             "deploy": deploy.compact(the_plan.deploy, recipe.dtype) if the_plan.deploy else None,
             "serve": serve,
             job.method.stats_key: {str(k): v for k, v in job.stats.items()},
+            **({"output_error": {str(k): v for k, v in job.errors.items()}} if job.errors else {}),
             "shared_pass": run.shared,
             "device": str(run.device), "compute_dtype": str(run.compute_dtype).removeprefix("torch."),
             "cuda_allocator": run.provenance["cuda_allocator"],
@@ -395,6 +396,8 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
         }
         if modelcard.plot_experts(extras, tmp / modelcard.EXPERT_PLOT) is not None:
             extras["expert_plot"] = modelcard.EXPERT_PLOT
+        if modelcard.plot_errors(extras, tmp / modelcard.ERROR_PLOT):
+            extras["error_plot"] = modelcard.ERROR_PLOT
         (tmp / "README.md").write_text(modelcard.render(extras))
         return extras
 

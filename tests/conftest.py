@@ -97,6 +97,9 @@ def tiny_recipe(tmp: Path, model_dir: Path, name: str = "tiny-awq", **over) -> P
                 version="gemm", calibration=dict(dataset="groups-merged", n_samples=16, seq_len=64, seed=0),
                 awq=dict(n_grid=10, clip_grid=10), dtype="float16", device="cpu", batch_size=4)
     keys.update(over)
+    # a random-init tiny model's next-token distributions are nearly flat (perplexity ~1,000 of 512 tokens), so
+    # its top-1 agreement says nothing: the KL / top-1 gates are tested on the real small model (test_eval.py)
+    keys["eval"] = {"max_kl": None, "min_top1": None, **(keys.get("eval") or {})}
     return write_recipe(tmp / f"{name}.yaml", **keys)
 
 

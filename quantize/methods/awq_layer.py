@@ -12,7 +12,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from .. import awq, gptq
+from .. import awq, gptq, output_error
 from ..arch import Arch, ScaleGroup, active_scale_groups, layer_prefix
 from ..capture import LayerData
 from ..device import clock as _clock
@@ -20,9 +20,10 @@ from ..device import gptq_sweep, side_stream
 from ..distributed import Dist
 from ..primitives import quantize
 from ..runlog import RunLog
+from .base import ERRORS
 from .gptq_layer import gptq_spec
 from .layer import (QuantResult, batches, cost, expert_hidden, feature_of, first_output, local_linears, moe_linears,
-                    owned, qspec, routing, rows_of, search_batches, store, store_rows, unit_inputs, units)
+                    owned, qspec, read_back, routing, rows_of, search_batches, store, store_rows, unit_inputs, units)
 
 
 def _search_stats(r) -> dict:
@@ -183,16 +184,34 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
     ranges = _clip_layer(data, arch, local, opts, spec, grams, dist) if opts.apply_clip else {}
     t2 = _clock(device)
     names = [n for n in arch.linears if n in local]
+    scaled = {n: data.layer.get_submodule(n).weight.data for n in names}  # W·s: rounding replaces, never edits
     if dist is None:
         with torch.no_grad():
             _awq_round(data, arch, names, ranges, grams, recipe, spec, scale_dtype, results)
     else:
         _awq_round_owned(data, arch, names, ranges, grams, recipe, spec, scale_dtype, results, dist)
     t3 = _clock(device)
+    stats[ERRORS] = _awq_errors(data, arch, recipe, scaled)
     stats["seconds"] = {"scale_search": round(t1 - t0, 4), "clip": round(t2 - t1, 4), "quantize": round(t3 - t2, 4)}
     if runlog is not None:
         runlog.stage(data.index, recipe.name, "awq", **stats["seconds"])
     return stats
+
+
+def _awq_errors(data: LayerData, arch: Arch, recipe, scaled: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each AWQ linear's relative output error (`output_error.from_inputs`) on the tokens its scale search scored:
+    scaled weights W·s against their codes, on the scaled inputs X / s."""
+    sizes = [t.shape[0] * t.shape[1] for t in data.inputs]
+    chosen = search_batches(sizes, recipe.awq.search_tokens, recipe.calibration.seed + data.index)
+    input_of, rows = feature_of(arch), {}
+    errors = {}
+    with torch.no_grad():
+        for n, w in scaled.items():
+            key = input_of[n]
+            if key not in rows:
+                rows[key] = rows_of(data.features[key], sizes, chosen)  # [tokens', in]
+            errors[n] = output_error.from_inputs(w, data.layer.get_submodule(n).weight.data, rows[key])
+    return read_back(errors)
 
 
 def search_layer_scales(data: LayerData, arch: Arch, recipe, local: set[str],

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-PROPAGATIONS = ("fp", "quantized", "none")  # what a method's layer inputs are (see `Method.propagation`)
+PROPAGATIONS = ("fp", "quantized", "none")
+# the key of a layer's statistics under which a method reports each linear's relative output error on its
+# calibration inputs (`quantize/output_error.py`); the job files these apart, the manifest keeps them as
+# `output_error`, the report and model card show the worst
+ERRORS = "output_error"  # what a method's layer inputs are (see `Method.propagation`)
 
 
 class Method:

@@ -11,15 +11,16 @@ import logging
 
 import torch
 
-from .. import gptq
+from .. import gptq, output_error
 from ..arch import Arch, layer_prefix
 from ..capture import LayerData, feed_inputs
 from ..device import clock as _clock
 from ..device import gptq_sweep, side_stream
 from ..distributed import Dist
 from ..runlog import RunLog
-from .layer import QuantResult, expert_hidden, feature_of, local_linears, moe_linears, routing, store, store_rows, \
-    unit_inputs, units
+from .base import ERRORS
+from .layer import QuantResult, expert_hidden, feature_of, local_linears, moe_linears, read_back, routing, store, \
+    store_rows, unit_inputs, units
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
     sweep = gptq_sweep(recipe.advanced.gptq.kernel, device)
     seconds = {"hessian": 0.0, "sweep": 0.0}
     losses: dict[str, torch.Tensor] = {}  # read back once per layer, not once per linear (each read waits)
+    errors: dict[str, torch.Tensor] = {}  # relative output error on the calibration inputs (`output_error`)
     for stage in stages:
         names = [n for n in stage if n in local]
         if not names:
@@ -114,6 +116,9 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
                 store(layer, n, layer_prefix(arch, data.index), codes, scales.to(scale_dtype), zeros, results)
                 losses[n] = row_loss.sum()
                 stats[n] = {"damp": r.damp_used, "dead_columns": r.dead_columns, "kernel": r.kernel}
+        for shared, ws, k in zip(groups, weights, keys):
+            for n, w in zip(shared, ws):
+                errors[n] = output_error.from_hessian(w, layer.get_submodule(n).weight.data, hessians[k])
         t2 = _clock(device)
         seconds["sweep"] += t2 - t1
         log.debug("layer %d stage %s: hessian %.4f s, sweep %.4f s", data.index + 1, "+".join(names), t1 - t0,
@@ -124,6 +129,7 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
         for n, loss in zip(losses, torch.stack(list(losses.values())).tolist()):
             stats[n] = {"loss": loss, **stats[n]}
     stats["seconds"] = {k: round(v, 4) for k, v in seconds.items()}
+    stats[ERRORS] = read_back(errors)
     return stats
 
 

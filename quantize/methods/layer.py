@@ -194,3 +194,8 @@ def round_to_nearest(layer: nn.Module, names: list[str], spec: awq.QSpec, scale_
         codes, scales, zeros = quantize_for_export(w, spec.w_bit, group, symmetric=spec.symmetric,
                                                    scale_dtype=scale_dtype)
         store(layer, n, prefix, codes, scales, zeros, results)
+
+
+def read_back(errors: dict[str, torch.Tensor]) -> dict[str, float]:
+    """name -> 0-dim tensor on the device -> name -> float, in one read-back."""
+    return dict(zip(errors, torch.stack(list(errors.values())).tolist())) if errors else {}

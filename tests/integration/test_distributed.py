@@ -25,7 +25,9 @@ from tests.conftest import build_tiny_model, tiny_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "integration" / "dist_worker.py"
-RUN_RECORDS = {"manifest.json", "README.md"}  # timings, dates, the world size
+# timings, dates, the world size; the error plot draws the manifest's output errors, whose last bits follow
+# GPTQ's Hessian sums (added in another order over ranks)
+RUN_RECORDS = {"manifest.json", "README.md", "output-error.png"}
 GPTQ_LINEAR_LOSS_RTOL = 0.05  # docs/DISTRIBUTED.md: each linear's GPTQ loss, N ranks against one
 GPTQ_TOTAL_LOSS_RTOL = 0.01  # and the sum over every linear
 TIMEOUT_S = 300  # catches a hang; 3 ranks on 2 cores that other work also uses are slow, not hung

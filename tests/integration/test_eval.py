@@ -35,7 +35,8 @@ def smollm2_rtn(tmp_path_factory):
     something (random-init tiny models are near-uniform, so damaging them barely moves perplexity)."""
     tmp = tmp_path_factory.mktemp("smol")
     recipe = write_recipe(tmp / "smol-rtn.yaml", base="smollm2-rtn-g64", name="smol-rtn",
-                          eval=dict(perplexity=dict(seq_len=512, max_windows=3), max_ppl_delta_pct=60.0))
+                          eval=dict(perplexity=dict(seq_len=512, max_windows=3), max_ppl_delta_pct=60.0,
+                                    lm_eval=dict(tasks=[])))
     return runner.run(recipe, out_root=tmp / "a"), recipe
 
 
@@ -79,6 +80,61 @@ def test_gate_fails_with_numbers(smollm2_rtn, capsys, tmp_path):
     assert rep["passed"] is False and rep["perplexity"]["delta_pct"] > 60
     assert rep["perplexity"]["fp16"]["ppl"] == ok["perplexity"]["fp16"]["ppl"]  # same protocol, same windows
     assert "FAILED" in (bad / "report.md").read_text()
+
+
+def _rehash(art) -> None:
+    """A changed artifact made whole again: its manifest lists the new weights' sha256, no report."""
+    from quantize.files import sha256_file
+
+    m = json.loads((art / "manifest.json").read_text())
+    m["files"]["model.safetensors"]["sha256"] = sha256_file(art / "model.safetensors")
+    m.pop("report", None)
+    for name in ("report.json", "report.md"):
+        (art / name).unlink(missing_ok=True)
+    (art / "manifest.json").write_text(json.dumps(m))
+
+
+DAMAGED = "model.layers.0.mlp.down_proj.scales"
+
+
+def test_one_damaged_linear_fails_the_kl_and_top1_gates(smollm2_rtn, capsys, tmp_path, monkeypatch):
+    """One linear's scales doubled: KL and top-1 against the reference move past their default gates (exit 3,
+    each gate named). Measured with 3 x 512 tokens (2026-12-02): healthy KL 0.31, top-1 0.665, perplexity
+    +36 %; damaged KL 0.66, top-1 0.53, perplexity +87 % (29.52 -> 55.18). The damaged eval reads the reference
+    from the cache: no reference forward."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eval import refcache, report
+    from quantize.recipe import MAX_KL, MIN_TOP1
+
+    out, recipe = smollm2_rtn
+    monkeypatch.setattr(refcache, "cache_dir", lambda: tmp_path / "cache")
+    assert eval_main([str(recipe), "--artifact", str(out), "--no-vllm"]) == 0
+    ok = json.loads((out / "report.json").read_text())["distribution"]
+    assert ok["kl_mean"] < MAX_KL and ok["top1"] > MIN_TOP1 and ok["k"] == 64 and ok["tokens"] == 3 * 511
+    bad = tmp_path / "damaged"
+    shutil.copytree(out, bad)
+    t = load_file(str(bad / "model.safetensors"))
+    t[DAMAGED] = t[DAMAGED] * 2
+    save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    _rehash(bad)
+    scored = []
+    real = report.perplexity
+    monkeypatch.setattr(report, "perplexity", lambda m, w, b=1, label="", **kw: scored.append(label) or
+                        real(m, w, b, label, **kw))
+    capsys.readouterr()
+    assert eval_main([str(recipe), "--artifact", str(bad), "--no-vllm"]) == 3
+    err = capsys.readouterr().err
+    assert scored == ["quantized"]  # the reference's distributions came from the cache
+    rep = json.loads((bad / "report.json").read_text())
+    d = rep["distribution"]
+    assert d["kl_mean"] > MAX_KL and d["top1"] < MIN_TOP1
+    assert f"> eval.max_kl {MAX_KL}" in err and f"< eval.min_top1 {MIN_TOP1}" in err
+    assert d["kl_mean"] > 1.5 * ok["kl_mean"] and rep["perplexity"]["delta_pct"] > 60  # perplexity moved too
+    md = (bad / "report.md").read_text()
+    assert "KL mean" in md and "Worst windows" in md
 
 
 @pytest.mark.vllm

@@ -121,6 +121,28 @@ def test_reference_scored_once_then_read_from_the_cache(evaluated, monkeypatch, 
     assert again["perplexity"]["fp16"] == first["perplexity"]["fp16"]
     assert again["perplexity"]["quantized"]["ppl"] == first["perplexity"]["quantized"]["ppl"]
     assert "reference from the verified cache" in (out / "report.md").read_text()
+    assert again["distribution"] == first["distribution"]  # KL and top-1 from the cached distributions
+
+
+def test_an_entry_without_distributions_scores_the_reference_once_more(evaluated, monkeypatch, tmp_path):
+    """A cache entry holding only the perplexity (as entries were first written): the next eval scores the
+    reference once and rewrites the entry; every eval after that runs no reference forward."""
+    out, recipe = evaluated
+    monkeypatch.setattr(refcache, "cache_dir", lambda: tmp_path)
+    loads = []
+    real = report.source.load_model
+    monkeypatch.setattr(report.source, "load_model", lambda *a, **k: loads.append(1) or real(*a, **k))
+    assert eval_main([str(recipe), "--artifact", str(out)]) == 0 and len(loads) == 1
+    (entry,) = tmp_path.glob("reference-ppl/*[0-9a-f].json")
+    old = json.loads(entry.read_text())
+    del old["distribution"]
+    entry.write_text(json.dumps(old))
+    assert eval_main([str(recipe), "--artifact", str(out)]) == 0 and len(loads) == 2
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["scored_on"]["reference_cache"]["rewritten"] and "distribution" in json.loads(entry.read_text())
+    for _ in range(2):
+        assert eval_main([str(recipe), "--artifact", str(out)]) == 0
+    assert len(loads) == 2
 
 
 def test_nan_artifact_fails_eval_with_exit_3(evaluated, tmp_path, capsys):
@@ -279,7 +301,7 @@ def test_register_refuses_a_report_of_other_files(evaluated, tmp_path, monkeypat
     monkeypatch.setattr(report, "vllm_unavailable", lambda: None)
     monkeypatch.setattr(report, "smoke", lambda *a, **k: {"passed": True, "checks": {}, "errors": []})
     r = stages.evaluate(out, None, EvalOptions(perplexity=dict(dataset="wikitext2", seq_len=128, max_windows=2),
-                                                max_ppl_delta_pct=None))
+                                                max_ppl_delta_pct=None, max_kl=None, min_top1=None))
     registry.check_artifact(out)  # the report matches its files
     remade = tmp_path / "remade"
     shutil.copytree(out, remade)

@@ -23,7 +23,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden" / "tiny-artifacts.json"
-RUN_RECORDS = {"manifest.json", "README.md"}  # written per run: timings, dates, versions, paths
+# written per run: timings, dates, versions, paths; the error plot draws manifest figures with whatever matplotlib
+# is installed (its pixels are not the codes' to pin)
+RUN_RECORDS = {"manifest.json", "README.md", "output-error.png"}
 
 VARIANTS = {
     "awq-gemm": dict(method="awq"),

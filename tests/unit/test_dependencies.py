@@ -34,7 +34,6 @@ PEER_DISTS = {"awq": "autoawq", "llmcompressor": "llmcompressor"}
 RUNTIME_ONLY = {
     "accelerate": "transformers' from_pretrained(device_map=...) places the weights with it",
     "alembic": "MLflow's SQLite store migrates its schema with it",
-    "lm-eval": "eval/report.py runs it as `python -m lm_eval` in a subprocess",
 }
 DEV_EXTRA = "dev"
 

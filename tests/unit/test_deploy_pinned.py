@@ -27,7 +27,7 @@ def answers() -> dict:
     """{recipe: {"vllm": version, "cells": {"<capability>/tp<n>/<dtype>": "<verdict>: module=kernel, ..."}}}"""
     from quantize import deploy
     from quantize.arch import arch_for
-    from quantize.engine import is_skipped
+    from quantize.methods.layer import is_skipped
     from quantize.recipe import load_recipe
     from quantize.source import ModelSource, read_config
 

@@ -11,7 +11,7 @@ import yaml
 
 from quantize import deploy
 from quantize.arch import arch_for
-from quantize.engine import is_skipped
+from quantize.methods.layer import is_skipped
 from quantize.recipe import RecipeError, load_recipe
 from quantize.source import ModelSource, read_config
 

@@ -145,3 +145,26 @@ def test_the_expert_heatmap_draws_the_manifests_counts_and_the_card_links_it(tmp
     assert (tmp_path / "a.png").read_bytes() != (tmp_path / "c.png").read_bytes()
     assert "](experts.png)" in modelcard.render({**m, "expert_plot": "experts.png"})
     assert "](experts.png)" not in modelcard.render(m)  # no plot written (matplotlib absent): no dead link
+
+
+def test_the_card_lists_the_ten_largest_output_errors_and_links_their_plot(tmp_path):
+    from matplotlib.image import imread
+
+    errors = {str(i): {"self_attn.q_proj": 0.01 * (i + 1), "mlp.down_proj": 0.02 * (i + 1)} for i in range(8)}
+    m = {**MANIFEST, "output_error": errors}
+    assert modelcard.plot_errors(m, tmp_path / "e.png")
+    img = imread(tmp_path / "e.png")
+    assert img.ndim == 3 and img[..., :3].std() > 0.05
+    card = modelcard.render({**m, "error_plot": "e.png"})
+    body = card.split("## Where the error comes from\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in body.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 10 and rows[0] == "| 7 | mlp.down_proj | 0.1600 |" and "](e.png)" in body
+    assert "## Where the error comes from" not in modelcard.render(MANIFEST)
+    assert not modelcard.plot_errors(MANIFEST, tmp_path / "none.png")
+
+
+def test_kl_and_top1_go_into_the_model_index():
+    report = {**REPORT, "distribution": {"kl_mean": 0.0123, "kl_p99": 0.2, "top1": 0.91, "k": 64}}
+    names = {r.metric_type: r.metric_value for r in modelcard.card_data(MANIFEST, report).eval_results}
+    assert names["kl_divergence"] == 0.0123 and names["top1_agreement"] == 0.91 and names["kl_divergence_p99"] == 0.2
+    assert "top-1 agreement 0.9100" in modelcard.render(MANIFEST, report)

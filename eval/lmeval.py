@@ -1,0 +1,139 @@
+"""lm-evaluation-harness tasks on the models the eval stage holds, and through lm-eval's vLLM backend.
+
+`run_on_model` scores a transformers model already on its device (the reference, or the artifact decoded by
+`eval.artifact`) through lm-eval's Python API (its HFLM wrapper around the preloaded model): no second load and
+no vLLM needed, so it runs wherever eval runs. `run_vllm` scores the artifact through lm-eval's vLLM backend in a
+child process, where vLLM can serve 4-bit weights: the real kernels. The project ships tasks that need no network
+(`eval/tasks/`, e.g. `wikitext_continuation` over the bundled WikiText-2 text); any other lm-eval task is loaded
+only when its data can be reached: with HF_HUB_OFFLINE=1, or a hub that does not answer a 2 s probe, the task
+gets one line saying why instead (the hub is never retried).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from quantize.calib import hub_offline
+
+log = logging.getLogger(__name__)
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+PROBE_TIMEOUT_S = 2.0
+
+
+def unavailable() -> str | None:
+    """Why lm-eval cannot run here (not installed), or None."""
+    import importlib.util
+
+    return None if importlib.util.find_spec("lm_eval") else "lm-eval is not installed (pip install 'quantize[lm-eval]')"
+
+
+def shipped_tasks() -> set[str]:
+    """The task names the project ships (eval/tasks/*.yaml)."""
+    import yaml
+
+    out = set()
+    for f in TASKS_DIR.glob("*.yaml"):
+        text = "\n".join(line for line in f.read_text().splitlines() if "!function" not in line)
+        out.add(yaml.safe_load(text)["task"])
+    return out
+
+
+def hub_reachable() -> str | None:
+    """None when the Hugging Face hub answers within PROBE_TIMEOUT_S, else why not (one try)."""
+    if hub_offline():
+        return "HF_HUB_OFFLINE=1"
+    import httpx
+
+    url = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        httpx.head(url, timeout=PROBE_TIMEOUT_S)
+    except httpx.HTTPError as e:
+        return f"the hub {url} did not answer within {PROBE_TIMEOUT_S:g} s ({type(e).__name__})"
+    return None
+
+
+def load_tasks(tasks: tuple[str, ...]) -> tuple[dict, dict[str, str]]:
+    """Task names -> (lm-eval task dict of those that loaded, {name: why not} for the others). Shipped tasks load
+    from eval/tasks; any other needs the hub: when the hub cannot be reached (HF_HUB_OFFLINE=1, or no answer to
+    one short probe) it is reported at once, before lm-eval indexes its own task catalogue (many seconds)."""
+    ours = shipped_tasks()
+    named = [t for t in tasks if t not in ours]
+    offline = hub_reachable() if named else None
+    skipped = {t: f"not run: {offline}, so the data of lm-eval task {t!r} cannot be fetched from the hub"
+               for t in named if offline}
+    wanted = [t for t in tasks if t not in skipped]
+    if not wanted:
+        return {}, skipped
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=any(t not in ours for t in wanted))
+    loaded = {}
+    for t in wanted:
+        t0 = time.perf_counter()
+        try:
+            loaded.update(get_task_dict([t], manager))
+        except Exception as e:  # noqa: BLE001 - lm-eval and datasets raise many types for a task that cannot load
+            skipped[t] = f"not run: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        log.info("lm-eval task %s: %s in %.2f s", t, skipped.get(t, "loaded"), time.perf_counter() - t0)
+    return loaded, skipped
+
+
+def _scores(results: dict) -> dict[str, dict[str, float]]:
+    """lm-eval's results -> {task: {metric: value}} (its "acc,none" keys as "acc"), numbers only."""
+    out = {}
+    for task, metrics in results.get("results", {}).items():
+        out[task] = {k.split(",")[0]: v for k, v in metrics.items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool) and k.split(",")[0] != "sample_len"}
+    return out
+
+
+def run_on_model(model, tokenizer, task_dict: dict, limit: int | None, batch_size: int) -> dict:
+    """lm-eval's evaluator on a transformers model already on its device -> {task: {metric: value}, seconds}."""
+    from lm_eval.evaluator import evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    t0 = time.perf_counter()
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    results = evaluate(lm, task_dict, limit=limit, bootstrap_iters=0, verbosity="ERROR")
+    return {"scores": _scores(results), "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def run_vllm(artifact: Path, tasks: list[str], limit: int | None, dtype: str, timeout_s: int) -> dict:
+    """lm-eval's vLLM backend on the artifact in a child process (the real 4-bit kernels), with the environment
+    and memory share the smoke's vLLM child gets -> scores, or the error."""
+    from .vllm_run import cuda_build, root_cause, vllm_env
+
+    share = 0.85 if cuda_build() else 0.3  # the CPU build reserves that share of host RAM
+    with tempfile.TemporaryDirectory(prefix="lm-eval-vllm-") as work:
+        args = f"pretrained={artifact},dtype={dtype},enforce_eager=True,gpu_memory_utilization={share}"
+        cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "vllm", "--model_args", args,
+               "--tasks", ",".join(tasks), "--include_path", str(TASKS_DIR), "--output_path", work]
+        cmd += ["--limit", str(limit)] if limit else []
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=vllm_env(Path(work)), capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"error": f"lm-eval's vLLM backend did not finish within {timeout_s} s"}
+        if proc.returncode:
+            return {"error": root_cause((proc.stdout or "") + (proc.stderr or "")), "exit_code": proc.returncode}
+        found = sorted(Path(work).rglob("results*.json"))
+        if not found:
+            return {"error": "lm-eval wrote no results file"}
+        return {"scores": _scores(json.loads(found[-1].read_text())), "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def difference(reference: dict, quantized: dict) -> dict[str, dict[str, float]]:
+    """{task: {metric: quantized - reference}} over the metrics both scored."""
+    out = {}
+    for task, metrics in (quantized.get("scores") or {}).items():
+        ref = (reference.get("scores") or {}).get(task, {})
+        out[task] = {m: v - ref[m] for m, v in metrics.items() if isinstance(ref.get(m), (int, float))}
+    return out

@@ -1,0 +1,47 @@
+"""Each quantized linear's relative output error on its calibration inputs: where a model's error comes from.
+
+    e = ||X (W - Q)ᵀ||_F / ||X Wᵀ||_F        X [tokens, in]: the linear's calibration inputs
+
+the quantity AWQ and GPTQ minimise, measured on data the method already holds, once per linear as it runs:
+GPTQ has H = 2 XᵀX / n, so e² = tr(ΔW H ΔWᵀ) / tr(W H Wᵀ) (no pass over X); AWQ has its (scaled) inputs and
+measures on the token subset its scale search scores (`awq.search_tokens`), in the scaled space where W and Q live
+(folding the scales into the previous op leaves X Wᵀ unchanged). Values stay on the device until the layer is
+done (one read-back per layer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def from_hessian(w: torch.Tensor, q: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    """w, q: [out, in], H: [in, in] (2 XᵀX / n) -> e (0-dim float32 tensor, on w's device)."""
+    w = w.float()
+    d = w - q.float()  # [out, in]
+    num = ((d @ H) * d).sum()
+    den = ((w @ H) * w).sum()
+    return (num / den.clamp(min=torch.finfo(torch.float32).tiny)).clamp(min=0).sqrt()
+
+
+def from_inputs(w: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """w, q: [out, in], x: [tokens, in] -> e (0-dim float32 tensor). The products run in x's dtype (half
+    precision on a GPU: tensor cores), the norms in float32."""
+    y = x @ w.to(x.dtype).t()  # [tokens, out]
+    err = x @ (w.float() - q.float()).to(x.dtype).t()  # [tokens, out]
+    den = y.float().square().sum()
+    return (err.float().square().sum() / den.clamp(min=torch.finfo(torch.float32).tiny)).sqrt()
+
+
+def worst(errors: dict, n: int = 10) -> list[dict]:
+    """The manifest's {layer: {linear: e}} -> the n largest, as [{layer, linear, error}], largest first."""
+    flat = [{"layer": int(i), "linear": name, "error": e} for i, per in errors.items() for name, e in per.items()]
+    return sorted(flat, key=lambda r: -r["error"])[:n]
+
+
+def by_depth(errors: dict) -> dict[str, list[tuple[int, float]]]:
+    """{layer: {linear: e}} -> {linear: [(layer, e)] in layer order}: one curve per linear over depth."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for i in sorted(errors, key=int):
+        for name, e in errors[i].items():
+            out.setdefault(name, []).append((int(i), e))
+    return out
