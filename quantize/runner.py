@@ -372,6 +372,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
             "skipped_linears": the_plan.skipped,
             "tensor_parallel_sizes": the_plan.tp_sizes,
             "serve": serve,
+            "serve_endpoint": serve_config.endpoint(tmp),  # chat, or completions for a tokenizer without a template
             f"{recipe.method}_stats": {str(k): v for k, v in job.stats.items()},
             "shared_pass": run.shared,
             "device": str(run.device), "compute_dtype": str(run.compute_dtype).removeprefix("torch."),
