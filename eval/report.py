@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from quantize import modelcard, output_error, source
+from quantize import modelcard, output_error, serve_config, source
 from quantize import manifest as manifest_file
 
 from . import distribution, lmeval, refcache
@@ -258,7 +258,8 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     smoke_res: dict = {"skipped": "eval.vllm.enabled is false"}
     if eopts.vllm.enabled:
         why_not = vllm_unavailable()
-        smoke_res = {"skipped": why_not} if why_not else None
+        # the endpoint it would have asked on is recorded all the same (chat, or completions for a base model)
+        smoke_res = {"skipped": why_not, "endpoint": serve_config.endpoint(artifact)} if why_not else None
         if smoke_res is None:
             t0 = time.perf_counter()
             smoke_res = smoke(artifact, load_reference, ctx["tokenizer"], ctx["served"], eopts.vllm.max_tokens,
@@ -385,14 +386,15 @@ def render_markdown(r: dict) -> str:
         "## vLLM smoke-load", "",
     ]
     if "skipped" in s:
-        lines.append(f"Skipped: {s['skipped']}")
+        lines.append(f"Skipped: {s['skipped']}" + (f" (it would ask on `{s['endpoint']}`)" if s.get("endpoint") else ""))
     else:
         lines += [f"Result: **{'passed' if s['passed'] else 'FAILED'}**; checks: "
                   + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in s["checks"].items())]
         if s.get("served_name"):
+            answer = s.get("answer") or {}
             lines += ["", f"Served by vLLM's OpenAI-compatible server as `{s['served_name']}` (start-up {s.get('load_s')} s); "
-                      f"chat answer: {json.dumps((s.get('chat') or {}).get('content'))}; a wrong model name: "
-                      f"{s.get('wrong_name', 'not tried')}"]
+                      f"asked on `{s.get('endpoint')}` ({s.get('endpoint_why')}): {json.dumps(answer.get('prompt'))} "
+                      f"-> {json.dumps(answer.get('content'))}; a wrong model name: {s.get('wrong_name', 'not tried')}"]
         if s["checks"].get("loaded"):
             lines += [f"Method `{s.get('method')}` (artifact declares `{s['expected_method']}`); kernels: "
                       f"{', '.join(s.get('kernels') or ['not logged'])}; load {s.get('load_s')} s; "

@@ -195,9 +195,23 @@ def _message(r: httpx.Response) -> str:
 
 def chat(url: str, model: str, content: str, max_tokens: int = 32) -> str:
     """One greedy chat completion -> choices[0].message.content."""
-    ans = post(url, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": content}],
-                                             "max_tokens": max_tokens, "temperature": 0})
+    ans = post(url, serve_config.CHAT, {"model": model, "messages": [{"role": "user", "content": content}],
+                                        "max_tokens": max_tokens, "temperature": 0})
     return ans["choices"][0]["message"]["content"] or ""
+
+
+def complete(url: str, model: str, prompt: str, max_tokens: int = 32) -> str:
+    """One greedy text completion (a base model's endpoint) -> choices[0].text."""
+    ans = post(url, serve_config.COMPLETIONS, {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                               "temperature": 0})
+    return ans["choices"][0]["text"] or ""
+
+
+def ask(url: str, model: str, path: str, chat_prompt: str, text_prompt: str, max_tokens: int = 32) -> str:
+    """One greedy answer on `path`: a chat message, or for the completions endpoint a text to continue."""
+    if path == serve_config.CHAT:
+        return chat(url, model, chat_prompt, max_tokens)
+    return complete(url, model, text_prompt, max_tokens)
 
 
 def _interrupt(signum, frame):
@@ -219,8 +233,11 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, _interrupt)
     try:
         with server:
+            path = serve_config.endpoint(a.artifact)
             print(f"\nserving {a.artifact} as model {server.name!r} at {server.url}/v1  (Ctrl-C stops it)\n"
-                  f"  curl -s {server.url}/v1/models\n", flush=True)
+                  f"  curl -s {server.url}/v1/models\n"
+                  f"ask it on {path}: {serve_config.why_endpoint(path)}\n"
+                  f"  {serve_config.request(path, server.name, server.url)}\n", flush=True)
             while server.proc is not None and server.proc.poll() is None:
                 time.sleep(1)
             sys.exit(f"vLLM's server exited ({server.proc.returncode if server.proc else '?'})")

@@ -2,8 +2,10 @@
 and agrees with the FP16 model.
 
 Checks (each recorded in the report, any failure fails the smoke test):
-(s) the server starts on the artifact's vllm-serve.yaml; /v1/models lists the served name; a chat completion
-    answers with non-empty content; a wrong model name gets vLLM's 404 and our message names the right one;
+(s) the server starts on the artifact's vllm-serve.yaml; /v1/models lists the served name; a question answers
+    with non-empty content, on the chat endpoint when the tokenizer has a chat template and on the completions
+    endpoint when it has none (a base model: vLLM's chat endpoint refuses it with HTTP 400); a wrong model name
+    gets vLLM's 404 and our message names the right one;
 (a) vLLM loaded it with the quantization method the artifact declares (and logs which kernel it chose);
 (b) greedy output is not degenerate (no empty output, no single token repeated over most of it, finite logprobs);
 (c) teacher-forced agreement: feeding the prompt plus vLLM's greedy tokens to the FP16 model, its own top-1
@@ -27,7 +29,7 @@ import httpx
 
 from quantize import formats, serve_config
 
-from .serve import INT4_MISSING, Server, ServeError, chat, int4_kernel_missing, post, served_models
+from .serve import INT4_MISSING, Server, ServeError, ask, int4_kernel_missing, post, served_models
 from .vllm_run import VllmError, kernels_from_log, root_cause
 
 PROMPTS = (
@@ -40,6 +42,7 @@ PROMPTS = (
 )
 
 CHAT_PROMPT = "What is the capital of France? Answer in one sentence."
+TEXT_PROMPT = "The capital of France is"  # the completions endpoint's question, for a model with no chat template
 
 def _degenerate(tokens: list[int], logprobs: list[dict]) -> str | None:
     if not tokens:
@@ -80,13 +83,13 @@ def vllm_unavailable() -> str | None:
 
 def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str = "float16", max_tokens: int = 32,
           min_agreement: float = 0.6, timeout: float = 600) -> dict:
-    """-> {passed, checks, errors, served_name, load_s, tokens_per_s, method, kernels, samples, chat}; never raises
-    on a vLLM failure.
+    """-> {passed, checks, errors, served_name, endpoint, load_s, tokens_per_s, method, kernels, samples, answer};
+    never raises on a vLLM failure.
 
     Goes through what users hit: vLLM's OpenAI-compatible server on the artifact's vllm-serve.yaml, in a child
-    process on a device this process holds nothing on. `/v1/models` must list the served name, a chat completion
-    must answer, a wrong model name must get the 404 whose message names the right one, and greedy completions
-    of the prompts' token ids feed the checks above. `reference()` (the unquantized model, for the agreement
+    process on a device this process holds nothing on. `/v1/models` must list the served name, a question must
+    answer (on chat or completions: `serve_config.endpoint`), a wrong model name must get the 404 whose message
+    names the right one, and greedy completions of the prompts' token ids feed the checks above. `reference()` (the unquantized model, for the agreement
     check) is called only once the server has exited.
     dtype: what vLLM computes in, the artifact's 16-bit dtype (a bfloat16-only model refuses float16); it equals
     the serve config's for our artifacts. A directory without a serve config (another tool's) is served under
@@ -96,7 +99,9 @@ def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str
     qcfg = json.loads((artifact / "config.json").read_text()).get("quantization_config", {})
     expected = qcfg.get("quant_method")
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    out: dict = {"passed": False, "expected_method": expected, "dtype": dtype, "errors": [], "checks": {}}
+    path = serve_config.endpoint(artifact)
+    out: dict = {"passed": False, "expected_method": expected, "dtype": dtype, "errors": [], "checks": {},
+                 "endpoint": path, "endpoint_why": serve_config.why_endpoint(path)}
     extra = {"dtype": dtype} if serve_config.read(artifact) else {"served-model-name": artifact.name,
                                                                    "dtype": dtype, "max-model-len": 512}
     with tempfile.TemporaryDirectory(prefix="smoke-") as work:
@@ -147,11 +152,13 @@ def _ask(srv: Server, prompts: list[list[int]], max_tokens: int, out: dict) -> d
         out["checks"]["models_lists_served_name"] = srv.name in names
         if srv.name not in names:
             out["errors"].append(f"/v1/models lists {names}, not the served name {srv.name!r}")
-        reply = chat(srv.url, srv.name, CHAT_PROMPT, max_tokens)
-        out["chat"] = {"prompt": CHAT_PROMPT, "content": reply}
-        out["checks"]["chat_answers"] = bool(reply)
+        path = out["endpoint"]
+        reply = ask(srv.url, srv.name, path, CHAT_PROMPT, TEXT_PROMPT, max_tokens)
+        out["answer"] = {"endpoint": path, "prompt": CHAT_PROMPT if path == serve_config.CHAT else TEXT_PROMPT,
+                         "content": reply}
+        out["checks"]["answers"] = bool(reply)
         if not reply:
-            out["errors"].append("the chat completion's choices[0].message.content is empty")
+            out["errors"].append(f"the answer on {path} is empty")
         out["checks"]["wrong_name_404"] = _wrong_name_refused(srv, out)
         t0 = time.perf_counter()
         ans = post(srv.url, "/v1/completions", {"model": srv.name, "prompt": prompts, "max_tokens": max_tokens,
@@ -172,7 +179,7 @@ def _wrong_name_refused(srv: Server, out: dict) -> bool:
     """A request for a model the server does not serve gets vLLM's 404, and our message names the right one."""
     wrong = f"{srv.name}-not-served"
     try:
-        chat(srv.url, wrong, CHAT_PROMPT, 1)
+        ask(srv.url, wrong, out["endpoint"], CHAT_PROMPT, TEXT_PROMPT, 1)
     except ServeError as e:
         ok = "404" in str(e) and repr(srv.name) in str(e)
         out["wrong_name"] = str(e)

@@ -333,7 +333,8 @@ def _serve(m: dict) -> list[str]:
     cfg = m.get("serve")
     if not cfg:  # an artifact written before serve configs existed
         return ["## Serve", "", "```bash", "vllm serve /path/to/this/directory", "```", ""]
-    cmd = serve_config.commands(cfg, m["format"]["quant_method"])
+    path = m.get("serve_endpoint", serve_config.CHAT)
+    cmd = serve_config.commands(cfg, m["format"]["quant_method"], path=path)
     settings = ", ".join(f"`{k}: {v}`" for k, v in cfg.items())
     return ["## Serve", "",
             f"`{serve_config.SERVE_CONFIG}` holds the server settings pre-flight checked ({settings}). "
@@ -343,8 +344,9 @@ def _serve(m: dict) -> list[str]:
             "checkpoint's own method name, and its 4-bit kernel needs AVX-512: on an AVX2-only processor the model "
             "loads and its first request fails):", "",
             "```bash", cmd["cpu"], "```", "",
-            f"Then ask it (the `model` field must be the served name, `{cfg['served-model-name']}`; any other "
-            "gets a 404):", "", "```bash", cmd["curl"], "```", ""]
+            f"Then ask it on `{path}`, since {serve_config.why_endpoint(path)} (the `model` field must be the "
+            f"served name, `{cfg['served-model-name']}`; any other gets a 404):", "", "```bash", cmd["curl"], "```",
+            ""]
 
 
 def _calibration_text(c: dict | None) -> str:

@@ -384,6 +384,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
             "tensor_parallel_sizes": the_plan.tp_sizes,
             "deploy": deploy.compact(the_plan.deploy, recipe.dtype) if the_plan.deploy else None,
             "serve": serve,
+            "serve_endpoint": serve_config.endpoint(tmp),  # chat, or completions for a tokenizer without a template
             job.method.stats_key: {str(k): v for k, v in job.stats.items()},
             **({"output_error": {str(k): v for k, v in job.errors.items()}} if job.errors else {}),
             "shared_pass": run.shared,

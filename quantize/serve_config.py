@@ -14,6 +14,7 @@ pre-flight plan, so what a server runs is what pre-flight checked:
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -23,6 +24,41 @@ from . import formats
 
 SERVE_CONFIG = "vllm-serve.yaml"
 DEFAULT_PORT = 8000
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def has_chat_template(model_dir: Path) -> bool:
+    """The tokenizer files carry a chat template (where transformers and vLLM look for one: a template file, or
+    tokenizer_config.json's `chat_template`). vLLM's chat endpoint answers HTTP 400 without one (most base
+    checkpoints, many GGUF files): those are asked on the completions endpoint."""
+    d = Path(model_dir)
+    if any((d / f).is_file() and (d / f).stat().st_size > 0 for f in CHAT_TEMPLATE_FILES):
+        return True
+    try:
+        cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and bool(cfg.get("chat_template"))
+
+
+def endpoint(model_dir: Path) -> str:
+    """The OpenAI endpoint a request to this model must use: chat with a chat template, completions without."""
+    return CHAT if has_chat_template(model_dir) else COMPLETIONS
+
+
+def why_endpoint(path: str) -> str:
+    return ("the tokenizer has a chat template" if path == CHAT else
+            "the tokenizer has no chat template (a base model): vLLM's chat endpoint would answer HTTP 400")
+
+
+def request(path: str, served_name: str, url: str) -> str:
+    """A curl command that asks the model one question on `path` (chat or completions)."""
+    body = ({"model": served_name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+             "max_tokens": 64} if path == CHAT else
+            {"model": served_name, "prompt": "The capital of France is", "max_tokens": 64})
+    return (f"curl -s {url}{path} -H 'Content-Type: application/json' \\\n"
+            f"  -d {shlex.quote(json.dumps(body))}")
 
 
 def quantization_method(fmt: str, cuda_kernels: list[str]) -> str:
@@ -67,16 +103,14 @@ def cpu_overrides(cfg: dict, checkpoint_method: str) -> dict:
     return {"quantization": checkpoint_method} if cfg.get("quantization", checkpoint_method) != checkpoint_method else {}
 
 
-def commands(cfg: dict, checkpoint_method: str, model: str = ".", port: int = DEFAULT_PORT) -> dict[str, str]:
-    """The commands a model card prints: serve on a CUDA host, serve on the CPU build, a chat request."""
+def commands(cfg: dict, checkpoint_method: str, model: str = ".", port: int = DEFAULT_PORT,
+             path: str = CHAT) -> dict[str, str]:
+    """The commands a model card prints: serve on a CUDA host, serve on the CPU build, a request on `path`."""
     model_q = shlex.quote(model)
-    body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
-            '"max_tokens": 64}' % cfg["served-model-name"])
     return {
         "gpu": f"vllm serve {model_q} --config {SERVE_CONFIG} --port {port}",
         "cpu": f"VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model {model_q} "
                f"--config {SERVE_CONFIG} --port {port} --gpu-memory-utilization 0.3"
                + "".join(f" --{k} {v}" for k, v in cpu_overrides(cfg, checkpoint_method).items()),
-        "curl": f"curl -s http://localhost:{port}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-                f"  -d '{body}'",
+        "curl": request(path, cfg["served-model-name"], f"http://localhost:{port}"),
     }

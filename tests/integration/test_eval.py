@@ -150,7 +150,7 @@ def test_smoke_passes_then_corrupted_artifact_fails(artifact, capsys, tmp_path):
     rep = json.loads((out / "report.json").read_text())
     s = rep["vllm_smoke"]
     assert s["passed"] and s["method"] == "awq" and s["served_name"] == "tiny-eval" and s["checks"] == {
-        "loaded": True, "models_lists_served_name": True, "chat_answers": True, "wrong_name_404": True,
+        "loaded": True, "models_lists_served_name": True, "answers": True, "wrong_name_404": True,
         "method": True, "not_degenerate": True, "agreement": True}
     assert "'tiny-eval'" in s["wrong_name"] and "404" in s["wrong_name"]
     assert any("CPUWNA16" in k for k in s["kernels"]) and s["tokens_per_s"] > 0

@@ -138,7 +138,7 @@ def test_smoke_goes_through_the_server(tiny_llama):
     res = smoke(tiny_llama, reference, AutoTokenizer.from_pretrained(tiny_llama), max_tokens=8, min_agreement=0.9)
     assert res["passed"], res["errors"]
     assert res["served_name"] == tiny_llama.name and res["method"] is None
-    assert set(res["checks"]) == {"loaded", "models_lists_served_name", "chat_answers", "wrong_name_404", "method",
+    assert set(res["checks"]) == {"loaded", "models_lists_served_name", "answers", "wrong_name_404", "method",
                                   "not_degenerate", "agreement"}
     assert all(len(x["completion"]) for x in res["samples"]) and res["token_agreement"] >= 0.9
     assert seen["servers_alive"] <= before  # vLLM had exited before the reference loaded
