@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import subprocess
 import time
@@ -26,8 +27,8 @@ from .methods.layer import is_skipped
 from .pack import pack_all
 from .lock import output_lock
 from .paths import check_output_parent, child
-from .preflight import (ROUTER_KEPT, Plan, PreflightError, check_free_disk, cpu_moe_refusal, human_bytes, pick_device,
-                        plan, table_lacks, tied_embeddings)
+from .preflight import (ROUTER_KEPT, Plan, PreflightError, check_free_disk, cpu_moe_refusal, human_bytes,
+                        once_per_layer, pick_device, plan, table_lacks, tied_embeddings)
 from .recipe import Recipe, load_recipe
 from .runlog import RunLog
 
@@ -121,7 +122,7 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
         integrity.check_tensors(src, config, arch, first.trust_remote_code)
         if not any(methods.get(r.method).calibrates for r in recipes):  # calibration loads it otherwise
             source.load_tokenizer(src, first.trust_remote_code)  # an artifact without a usable tokenizer is refused
-        plans = [_plan_and_log(r, config, arch) for r in recipes]
+        plans = [_plan_and_log(r, config, arch, table=run) for r in recipes]
         copied = sum((src.path / f).stat().st_size for f in source.TOKENIZER_FILES if (src.path / f).is_file())
         free = check_free_disk(outs[0], sum(p.tensor_bytes + copied for p in plans) + _checkpoint_bytes(recipes, config, plans))
         device = pick_device(first)
@@ -152,11 +153,15 @@ def _propagation(recipe: Recipe) -> str:
     return methods.get(recipe.method).propagation(recipe)
 
 
-def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False) -> str:
-    """Every pre-flight check of `run`, no weights loaded -> the report (also what `run` logs first)."""
+def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False,
+                   json_path: str | Path | None = None) -> str:
+    """Every pre-flight check of `run`, no weights loaded -> the report for the terminal (the table once); the
+    plan's JSON is written to json_path (default <out_root>/<name>.preflight.json), which the report names."""
     recipe = load_recipe(recipe_name)
     out = child(out_root, recipe.name, "recipe name")
     check_output_parent(out_root)
+    json_path = Path(json_path) if json_path else child(out_root, f"{recipe.name}.preflight.json", "recipe name")
+    check_output_parent(json_path.parent, "--json")
     pf = preflight([recipe], [out], force, Timings())
     c, the_plan = recipe.calibration, pf.plans[0]
     calib_line = (f"calibration: {c.n_samples} x {c.seq_len} tokens from {pf.calib_record['source']}"
@@ -164,7 +169,8 @@ def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: 
     refused = cpu_moe_refusal(the_plan)
     return f"{recipe.name}: {recipe.method} w{recipe.w_bit} g{recipe.q_group_size} format {recipe.out_format}\n" \
            f"{the_plan.summary()}\n{the_plan.table()}\n" + (f"vLLM CPU: {refused}\n" if refused else "") + \
-           f"output {out}: {human_bytes(pf.free_bytes)} free on its disk\n{calib_line}\n\n{the_plan.to_json()}"
+           f"output {out}: {human_bytes(pf.free_bytes)} free on its disk\n{calib_line}\n" + \
+           f"plan (JSON): {_write_text(json_path, the_plan.to_json() + chr(10))}"
 
 
 SHARED_KEYS = ("model", "calibration", "device", "dtype", "compute_dtype", "batch_size", "trust_remote_code")
@@ -286,14 +292,27 @@ def _checkpointer(recipes: list[Recipe], first_out: Path, pf: Checked,
     return Checkpointer(first_out.parent / f".{first_out.name}.checkpoint", key, every)
 
 
-def _plan_and_log(recipe: Recipe, config, arch):
+def _write_text(path: Path, text: str) -> Path:
+    """Write `text` to `path` through a temporary file renamed into place -> path (never half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _plan_and_log(recipe: Recipe, config, arch, table: bool = True):
+    """The recipe's plan, logged (the kernel table too unless `table` is False: `preflight_only` prints it)."""
     the_plan = plan(config, arch, recipe, is_skipped)
     log.info("recipe %s: %s w%d g%d symmetric=%s format %s", recipe.name, recipe.method, recipe.w_bit,
              recipe.q_group_size, recipe.symmetric, recipe.out_format)
-    log.info("pre-flight: %s\n%s", the_plan.summary(), the_plan.table())
-    for name, why in the_plan.skipped.items():
-        if why not in ("modules_to_not_convert", ROUTER_KEPT):
-            log.warning("pre-flight: %s stays 16-bit: %s", name, why)
+    log.info("pre-flight: %s" + ("\n%s" if table else "%s"), the_plan.summary(), the_plan.table() if table else "")
+    for line in once_per_layer([f"{name}: stays 16-bit: {why}" for name, why in the_plan.skipped.items()
+                                if why not in ("modules_to_not_convert", ROUTER_KEPT)]):
+        log.warning("pre-flight: %s", line)
     refused = cpu_moe_refusal(the_plan)
     if refused:
         log.warning("pre-flight: %s", refused)
