@@ -68,9 +68,11 @@ def _versions() -> dict[str, str]:
 
 
 def git_commit() -> dict:
+    """The checkout's commit, and whether a tracked file differs from it (untracked files, e.g. logs, do not count)."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_DIR, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=PROJECT_DIR, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PROJECT_DIR,
+                               capture_output=True, text=True)
         return {"commit": sha.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "dirty": None}
