@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import calib, export, integrity, methods, modelcard, serve_config, source
+from . import calib, deploy, export, integrity, methods, modelcard, serve_config, source
 from .arch import Arch, UnsupportedArchitecture, arch_for, checkpoint_name
 from .experts import split_experts
 from .capture import run_shared
@@ -294,6 +294,18 @@ def _checkpointer(recipes: list[Recipe], first_out: Path, pf: Checked,
     return Checkpointer(first_out.parent / f".{first_out.name}.checkpoint", key, every)
 
 
+def _deploy_facts(artifact: Path, model, serve: dict) -> dict | None:
+    """`deploy.facts` for a written artifact directory (its config.json and safetensors files); None when the
+    served length is unknown."""
+    import json
+
+    if not serve.get("max-model-len"):
+        return None
+    weights = sum(f.stat().st_size for f in artifact.glob("*.safetensors"))
+    params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+    return deploy.facts(json.loads((artifact / "config.json").read_text()), serve["max-model-len"], weights, params)
+
+
 def _write_text(path: Path, text: str) -> Path:
     """Write `text` to `path` through a temporary file renamed into place -> path (never half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -385,6 +397,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
             "skipped_linears": the_plan.skipped,
             "tensor_parallel_sizes": the_plan.tp_sizes,
             "serve": serve,
+            "deploy": _deploy_facts(tmp, model, serve),
             job.method.stats_key: {str(k): v for k, v in job.stats.items()},
             "shared_pass": run.shared,
             "device": str(run.device), "compute_dtype": str(run.compute_dtype).removeprefix("torch."),
