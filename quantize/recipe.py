@@ -324,7 +324,8 @@ def recipe_path(name_or_path: str | Path) -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml"):
         if not p.is_file():
-            raise RecipeError(f"recipe file {p} does not exist")
+            near = did_you_mean(p.name, [x.name for x in p.parent.glob("*.y*ml")]) if p.parent.is_dir() else ""
+            raise RecipeError(f"recipe file {p} does not exist{near}")
         return p
     candidate = RECIPES_DIR / f"{name_or_path}.yaml"
     if not candidate.is_file():

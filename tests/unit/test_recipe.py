@@ -110,6 +110,12 @@ def test_missing_recipe_suggests_the_nearest_name():
         load_recipe("does-not-exist")
 
 
+def test_missing_recipe_file_suggests_the_nearest_file_beside_it(tmp_path):
+    write_recipe(tmp_path / "mine-awq-g64.yaml", **BASE)
+    with pytest.raises(RecipeError, match="mine-awq-g46.yaml does not exist; did you mean `mine-awq-g64.yaml`"):
+        load_recipe(tmp_path / "mine-awq-g46.yaml")
+
+
 def test_unknown_key_suggests_the_nearest_key(tmp_path):
     assert "`q_grup_size`: unknown key; did you mean `q_group_size`?" in _err(tmp_path, q_grup_size=64)
     assert "`awq.n_gird`: unknown key; did you mean `n_grid`?" in _err(tmp_path, awq={"n_gird": 10})
