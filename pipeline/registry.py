@@ -324,13 +324,16 @@ def _download(mlflow, mv, into: Path) -> str:
 
 def versions(name: str | None = None) -> list[dict]:
     """Every registered version (of `name`, or all) with its tags and metrics, newest first."""
-    rows = []
+    rows, aliases = [], {}
     with _registry_errors():
         _, client = _client()
         for mv in client.search_model_versions(f"name = '{name}'" if name else ""):
             run = client.get_run(mv.run_id)
+            if mv.name not in aliases:  # search results carry no aliases: the registered model holds them
+                aliases[mv.name] = dict(client.get_registered_model(mv.name).aliases or {})
             rows.append({"name": mv.name, "version": int(mv.version), "created": mv.creation_timestamp,
-                         "source": mv.source, "aliases": sorted(getattr(mv, "aliases", []) or []),
+                         "source": mv.source,
+                         "aliases": sorted(a for a, v in aliases[mv.name].items() if str(v) == str(mv.version)),
                          "serve": f"models:/{mv.name}/{mv.version}", "tags": dict(mv.tags),
                          "metrics": dict(run.data.metrics)})
     return sorted(rows, key=lambda x: (x["name"], -x["version"]))
