@@ -47,7 +47,7 @@ def facts(config: dict, max_model_len: int, artifact_weight_bytes: int, paramete
 
 def render(d: dict) -> list[str]:
     """The model card's deployment section from a `facts` record."""
-    gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+    gb = lambda n: f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"  # noqa: E731
     kv, per_seq, fit = d["kv_bytes_per_token"], d["kv_bytes_per_sequence"], d["sequences_that_fit"]
     lines = ["## Deployment", "",
              f"Weights: **{gb(d['artifact_weight_bytes'])}** against {gb(d['base_weight_bytes'])} for the 16-bit base "

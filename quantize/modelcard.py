@@ -154,7 +154,7 @@ def render(manifest: dict, report: dict | None = None) -> str:
                                          ("calibration", _calibration_text(m.get("calibration"))),
                                          ("linears left 16-bit", ", ".join(_kept_16bit(m)) or "none"),
                                          ("tensor-parallel sizes", _tp_text(m)),
-                                         ("checked with", _versions_text(m)))],
+                                         ("versions where quantized", _versions_text(m)))],
         "", *_experts(m), "## Evaluation", "", *_evaluation(report), "",
         "## Integrity and reproduction", "",
         "`manifest.json` lists the sha256 of every file; `python -m pipeline eval --artifact <dir>` and the registry refuse "
