@@ -23,6 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 from quantize import serve_config, source
+from quantize.errors import run_main
 from quantize.manifest import MANIFEST
 
 from .serve import INT4_MISSING, ROOT, Server, ServeError
@@ -196,6 +197,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from quantize.errors import run_main
-
     sys.exit(run_main(main))

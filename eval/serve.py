@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from quantize.errors import UserError
+from quantize.errors import UserError, run_main
 from quantize import serve_config
 
 from .vllm_run import VllmError, cuda_build, root_cause, vllm_env
@@ -236,8 +236,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from quantize.errors import run_main
-
     sys.exit(run_main(main))
 
 

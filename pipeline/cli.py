@@ -360,7 +360,7 @@ def _register_targets(args) -> tuple[list[Path], str | None]:
 
     given = [bool(args.recipes), bool(args.artifact), bool(args.comparison)]
     if sum(given) != 1:
-        raise RecipeError("give recipe names (or YAML paths), --artifact DIR, or --comparison NAME: exactly one of them")
+        raise RecipeError("give exactly one of: recipe names (or YAML paths), --artifact DIR, --comparison NAME")
     if args.artifact:
         artifacts = [Path(args.artifact)]
     elif args.comparison:

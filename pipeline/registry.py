@@ -15,16 +15,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import sqlite3
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
-from quantize.errors import UserError
+from quantize.errors import UserError, did_you_mean
 from quantize.files import sha256_file
 from quantize.manifest import MANIFEST, ArtifactError, files_fingerprint, verify
+from quantize.paths import child
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +187,6 @@ def register_many(artifacts: list[Path], model_name: str | None, by_reference: b
 
 
 def _check_alias(alias: str | None) -> None:
-    import re
-
     if alias is not None and (not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", alias) or re.fullmatch(r"[vV]\d+", alias)
                               or alias == "latest"):
         raise RegistryError(f"alias {alias!r}: use a name of letters, digits, '_' and '-' that starts with a letter "
@@ -203,16 +204,12 @@ def chosen(artifacts: list[Path], variant: str | None) -> Path:
     for a in artifacts:
         if a.name == variant:
             return a
-    from quantize.errors import did_you_mean
-
     raise RegistryError(f"--variant {variant!r} is not one of the artifacts being registered "
                         f"({[a.name for a in artifacts]}){did_you_mean(variant, [a.name for a in artifacts])}")
 
 
 def comparison_artifacts(out_root: Path, name: str) -> list[Path]:
     """The artifact directories of `<out_root>/compare-<name>.json` (written by `compare`), in its order."""
-    from quantize.paths import child
-
     doc_path = child(out_root, f"compare-{name}.json", "--comparison")
     if not doc_path.is_file():
         found = sorted(p.stem.removeprefix("compare-") for p in Path(out_root).glob("compare-*.json"))
@@ -283,8 +280,6 @@ def resolve(uri: str, into: Path) -> Path:
 
 
 def _parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
-    import re
-
     m = re.fullmatch(r"models:/([^/@]+)(?:@([A-Za-z0-9_-]+)|/(\d+))", uri)
     if not m:
         raise RegistryError(f"{uri!r} is not a registered version: write models:/<name>@<alias> (e.g. "
@@ -296,8 +291,6 @@ def _model_version(client, name: str, alias: str | None, version: str | None):
     from mlflow.exceptions import MlflowException
 
     if not client.search_registered_models(filter_string=f"name = '{name}'"):
-        from quantize.errors import did_you_mean
-
         known = [x.name for x in client.search_registered_models()]
         raise RegistryError(f"no registered model {name!r} in {tracking_uri()}{did_you_mean(name, known)} "
                             f"(make registry lists them)")
@@ -314,8 +307,6 @@ def _model_version(client, name: str, alias: str | None, version: str | None):
 def _download(mlflow, mv, into: Path) -> str:
     """The version's files as a local directory: its run's copy downloaded, or a file:// reference read in place."""
     if mv.source.startswith("file://"):
-        from urllib.parse import unquote, urlparse
-
         local = Path(unquote(urlparse(mv.source).path))
         if dict(mv.tags).get("by_reference") == "true" and local.is_dir():  # the artifact where it lives
             return str(local)

@@ -12,18 +12,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from eval import serve
 from quantize.paths import check_output_parent, child
 from quantize.recipe import RecipeError, recipe_path
+
+from . import registry
 
 
 def serve_command(args) -> int:
     """Resolve `args.model`, then serve it until Ctrl-C (or, with --dry-run, print the server command) -> 0."""
-    from eval import serve
-
     if not args.model.startswith("models:/"):
         return _serve_dir(local_artifact(args.model, args.out), args, serve)
-    from . import registry
-
     check_output_parent(args.out)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".serve-registry-", dir=args.out))

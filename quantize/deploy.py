@@ -56,7 +56,8 @@ def render(d: dict) -> list[str]:
              f"KV cache: {kv['float16']:,} bytes per token in float16 ({kv['fp8']:,} with an fp8 KV cache); at the "
              f"served max model length {d['max_model_len']:,}: {gb(per_seq['float16'])} per sequence "
              f"({gb(per_seq['fp8'])} in fp8).", "",
-             f"Full-length sequences that fit at `gpu_memory_utilization` {d['gpu_memory_utilization']} (an upper bound: "
+             f"Full-length sequences that fit at `gpu_memory_utilization` {d['gpu_memory_utilization']} "
+             "(an upper bound: "
              "vLLM's activations and graphs take some of it; choose `max_num_seqs` from it):", "",
              "| GPU | base, float16 KV | base, fp8 KV | this artifact, float16 KV | this artifact, fp8 KV |",
              "|---:|---:|---:|---:|---:|"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -297,8 +298,6 @@ def _checkpointer(recipes: list[Recipe], first_out: Path, pf: Checked,
 def _deploy_facts(artifact: Path, model, serve: dict) -> dict | None:
     """`deploy.facts` for a written artifact directory (its config.json and safetensors files); None when the
     served length is unknown."""
-    import json
-
     if not serve.get("max-model-len"):
         return None
     weights = sum(f.stat().st_size for f in artifact.glob("*.safetensors"))

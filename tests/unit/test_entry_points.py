@@ -102,3 +102,22 @@ def test_make_help_lists_every_target_once():
     listed = [ln.split()[1] for ln in p.stdout.splitlines()]
     assert p.returncode == 0 and sorted(listed) == sorted(phony - {"help"}), p.stdout
     assert all(len(ln.split(maxsplit=2)) == 3 for ln in p.stdout.splitlines())  # each with its description
+
+
+def test_make_targets_take_a_recipe_path_and_registry_versions():
+    venv = Path(sys.prefix)
+
+    def dry(*args: str) -> str:  # make -n: the commands it would run; the venv taken as installed
+        p = subprocess.run(["make", "-n", f"VENV={venv}", "-o", str(venv / ".installed"), *args], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        return p.stdout
+
+    assert "-m eval.bench_serve artifacts/x-awq-g64 " in dry("bench-serve", "RECIPE=some/dir/x-awq-g64.yaml")
+    assert "-m pipeline serve some/dir/x.yaml --host 0.0.0.0 --port 8000" in dry("serve", "RECIPE=some/dir/x.yaml",
+                                                                               "HOST=0.0.0.0")
+    assert "-m pipeline serve models:/x@champion --host 127.0.0.1" in dry("serve", "MODEL=models:/x@champion")
+    assert "-m pipeline register --comparison cmp --alias champion --variant cmp-g64" in " ".join(
+        dry("register", "COMPARISON=cmp", "ALIAS=champion", "VARIANT=cmp-g64").replace("\\\n", " ").split())
+    for target in ("quantize", "eval", "register", "preflight"):
+        assert " some/dir/x.yaml" in dry(target, "RECIPE=some/dir/x.yaml"), target
