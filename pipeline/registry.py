@@ -259,7 +259,11 @@ def resolve(uri: str, into: Path) -> Path:
     """`models:/<name>@<alias>` or `models:/<name>/<version>` -> a local directory holding that version's artifact,
     its manifest verified and equal to the one registered (the version's manifest_sha256 tag). The copy is
     downloaded through MLflow into `into` (a version registered by reference is read where it lives)."""
-    name, alias, version = _parse_models_uri(uri)
+    name, alias, version = parse_models_uri(uri)
+    db = tracking_uri().removeprefix("sqlite:///")
+    if tracking_uri().startswith("sqlite:///") and not Path(db).is_file():  # reading must not create a registry
+        raise RegistryError(f"no model registry at {db}: register a version first (make register ...), or set "
+                            f"MLFLOW_TRACKING_URI to the registry that holds {name!r}")
     with _registry_errors():
         mlflow, client = _client()
         mv = _model_version(client, name, alias, version)
@@ -279,7 +283,7 @@ def resolve(uri: str, into: Path) -> Path:
     return local
 
 
-def _parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
+def parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
     m = re.fullmatch(r"models:/([^/@]+)(?:@([A-Za-z0-9_-]+)|/(\d+))", uri)
     if not m:
         raise RegistryError(f"{uri!r} is not a registered version: write models:/<name>@<alias> (e.g. "

@@ -23,15 +23,20 @@ def serve_command(args) -> int:
     """Resolve `args.model`, then serve it until Ctrl-C (or, with --dry-run, print the server command) -> 0."""
     if not args.model.startswith("models:/"):
         return _serve_dir(local_artifact(args.model, args.out), args, serve)
+    registry.parse_models_uri(args.model)  # a malformed name is refused before anything is created
     check_output_parent(args.out)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".serve-registry-", dir=args.out))
+    out = Path(args.out)
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".serve-registry-", dir=out))
     try:
         model_dir = registry.resolve(args.model, work)
         print(f"{args.model}: {model_dir} (manifest verified)", flush=True)
         return _serve_dir(model_dir, args, serve)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if made and not any(out.iterdir()):  # a directory this command created and left empty
+            out.rmdir()
 
 
 def _serve_dir(model_dir: Path, args, serve) -> int:

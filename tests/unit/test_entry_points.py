@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*argv: str, cwd: Path = ROOT, timeout: int = 180) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'registry' / 'mlflow.db'}"}  # none there: nothing may create it
     return subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -39,6 +40,7 @@ def _user_errors(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["-m", "pipeline", "register", "--artifact", missing], "does not exist"),
         (["-m", "pipeline", "register", "smollm2-awq-g64", "--variant", "x"], "--variant names the version"),
         (["-m", "pipeline", "serve", "models:/only-a-name"], "is not a registered version"),
+        (["-m", "pipeline", "serve", "models:/some-model@champion"], "no model registry at"),
         (["-m", "pipeline", "serve", missing + ".yaml"], "recipe file"),
         (["-m", "pipeline", "preflight", "smollm2-awq-g46"], "did you mean"),
         (["-m", "eval.serve", missing], "is not a model directory (no config.json)"),
@@ -47,14 +49,17 @@ def _user_errors(tmp_path: Path) -> list[tuple[list[str], str]]:
 
 
 def test_every_entry_points_user_errors_exit_2_with_one_error_line(tmp_path):
+    work = tmp_path / "cwd"
+    work.mkdir()
     for argv, phrase in _user_errors(tmp_path):
-        p = _run(*argv)
+        p = _run(*argv, cwd=work)
         shown = f"python {' '.join(argv)} -> {p.returncode}\n{p.stdout[-800:]}\n{p.stderr[-2000:]}"
         assert p.returncode == 2, shown
         errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error: ")]
         assert errors and phrase in p.stderr, shown
         assert "Traceback" not in p.stderr, shown
     assert not list(tmp_path.glob("*.lock")) and not list(tmp_path.glob(".*"))  # nothing left behind
+    assert list(work.iterdir()) == []  # not even an empty artifacts/ or registry/
 
 
 def test_validate_lists_every_recipe_and_exits_2_for_an_invalid_one(tmp_path):
