@@ -452,7 +452,7 @@ def _allowed_keys(loc: tuple) -> list[str]:
             if isinstance(option, type) and issubclass(option, BaseModel):
                 model = option
                 break
-    return sorted(model.model_fields)
+    return sorted(k for k, f in model.model_fields.items() if not f.exclude)  # `sections` is internal
 
 
 def load_recipe(name_or_path: str | Path) -> Recipe:
