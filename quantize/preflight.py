@@ -96,9 +96,8 @@ class Plan:
         for (local, i, o, ck, cpu, note), n in rows.items():
             lines.append(f"{local:22s} {i:6d} {o:6d} {n:6d}  {ck:32s} {cpu}" + (f"  ({note})" if note else ""))
         routers = [n for n, why in self.skipped.items() if why == ROUTER_KEPT]
-        for name, why in self.skipped.items():
-            if why not in ("modules_to_not_convert", ROUTER_KEPT):
-                lines.append(f"{name}: stays 16-bit: {why}")
+        lines += once_per_layer([f"{name}: stays 16-bit: {why}" for name, why in self.skipped.items()
+                                 if why not in ("modules_to_not_convert", ROUTER_KEPT)])
         if routers:
             lines.append(f"{len(routers)} MoE routers / shared-expert gates stay 16-bit (vLLM builds them unquantized)")
         if self.tied_embeddings:
@@ -186,6 +185,7 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
         problems.append(f"dtype {recipe.dtype}: vLLM serves {', '.join(config.architectures or [])} only in "
                         f"{' or '.join(arch.serve_dtypes)}; set dtype: {arch.serve_dtypes[0]}")
     if problems:
+        problems = once_per_layer(problems)
         shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
         raise PreflightError("the recipe cannot be applied to this model:\n  - " + "\n  - ".join(shown))
     out.tp_sizes = tp_sizes
@@ -217,6 +217,30 @@ def deploy_table(config, arch: Arch, recipe: Recipe, is_skipped) -> dict:
     if problem:
         raise PreflightError(problem)
     return table.to_dict()
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)(?=[.:])")
+
+
+def once_per_layer(problems: list[str]) -> list[str]:
+    """Messages that differ only in the layer index -> one message each, with the count and the first layers.
+
+    "model.layers.7.mlp.down_proj: in_features 1536 ..." x 30 ->
+    "model.layers.*.mlp.down_proj in 30 layers (model.layers.0, .1, .2, ...): in_features 1536 ..."
+    """
+    groups: dict[str, list[str]] = {}
+    for msg in problems:
+        groups.setdefault(_LAYER_INDEX.sub(".*", msg, count=1), []).append(msg)
+    out = []
+    for template, msgs in groups.items():
+        if len(msgs) == 1:
+            out.append(msgs[0])
+            continue
+        where, rest = template.split(": ", 1) if ": " in template else (template, "")
+        first = [_LAYER_INDEX.search(m).group(1) for m in msgs[:3]]
+        more = ", ..." if len(msgs) > 3 else ""
+        out.append(f"{where} in {len(msgs)} layers (indices {', '.join(first)}{more}): {rest}")
+    return out
 
 
 def _layer_linears(config, arch: Arch) -> tuple[list[str], list[tuple[str, ...]], set[str]]:

@@ -29,7 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from . import formats, methods
-from .errors import UserError
+from .errors import UserError, did_you_mean
 from .methods.awq import AwqOptions
 from .methods.gptq import GptqOptions
 
@@ -378,17 +378,31 @@ def recipe_path(name_or_path: str | Path) -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml"):
         if not p.is_file():
-            raise RecipeError(f"recipe file {p} does not exist")
+            near = did_you_mean(p.name, [x.name for x in p.parent.glob("*.y*ml")]) if p.parent.is_dir() else ""
+            raise RecipeError(f"recipe file {p} does not exist{near}")
         return p
     candidate = RECIPES_DIR / f"{name_or_path}.yaml"
     if not candidate.is_file():
-        known = ", ".join(list_recipes()) or "none"
-        raise RecipeError(f"no recipe named {name_or_path!r} (looked for {candidate}); known recipes: {known}")
+        hint = did_you_mean(name_or_path, list_recipes()) or "; `python -m pipeline list` lists the shipped recipes"
+        raise RecipeError(f"no recipe named {name_or_path!r} (looked for {candidate}){hint} (or give a path to "
+                          f"a .yaml file)")
     return candidate
 
 
 def list_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def model_beside(model: str, recipe_file: Path) -> str:
+    """A recipe's `model` that is a relative path -> that path resolved against the recipe file's directory, so
+    a recipe means the same model from any working directory; anything else (a hub id, package:, an absolute
+    path) unchanged. Relative: it starts with ./ or ../, or names a file or directory beside the recipe."""
+    if model.startswith(("package:", "/", "~")):
+        return model
+    beside = recipe_file.resolve().parent / model
+    if model.startswith(("./", "../")) or beside.exists():
+        return str(beside.resolve())
+    return model
 
 
 def _merge(base: dict, override: dict) -> dict:
@@ -466,6 +480,8 @@ def _read_raw(path: Path, seen: tuple[Path, ...]) -> dict:
         raise RecipeError(f"{path}: not valid YAML: {_short(str(e), 200)}") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe must be a YAML mapping of keys to values")
+    if isinstance(raw.get("model"), str):
+        raw["model"] = model_beside(raw["model"], path)
     if raw.get("name") != path.stem:
         raise RecipeError(
             f"{path}: key `name` is {_short(raw.get('name'))} but must equal the file stem {path.stem!r}"
@@ -493,7 +509,7 @@ def _format_error(path: Path, err: ValidationError, what: str = "recipe") -> str
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             allowed = _allowed_keys(e["loc"])
-            msg = f"unknown key; allowed keys here: {', '.join(allowed)}"
+            msg = f"unknown key{did_you_mean(e['loc'][-1], allowed)}; allowed keys here: {', '.join(allowed)}"
         value = e.get("input")
         shown = "" if e["type"] in ("missing", "extra_forbidden") or isinstance(value, dict) else f" = {_short(value)}"
         lines.append(f"  - `{key}`{shown}: {msg}")
@@ -509,7 +525,7 @@ def _allowed_keys(loc: tuple) -> list[str]:
             if isinstance(option, type) and issubclass(option, BaseModel):
                 model = option
                 break
-    return sorted(model.model_fields)
+    return sorted(k for k, f in model.model_fields.items() if not f.exclude)  # `sections` is internal
 
 
 def load_recipe(name_or_path: str | Path) -> Recipe:

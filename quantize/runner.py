@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import platform
 import subprocess
 import time
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import calib, deploy, export, integrity, methods, modelcard, serve_config, source
+from . import calib, capacity, deploy, export, integrity, methods, modelcard, serve_config, source
 from .arch import Arch, UnsupportedArchitecture, arch_for, checkpoint_name
 from .experts import split_experts
 from .capture import run_shared
@@ -28,7 +30,8 @@ from .pack import pack_all
 from .lock import output_lock
 from .paths import check_output_parent, child
 from .preflight import (NO_TARGETS, ROUTER_KEPT, Plan, PreflightError, check_free_disk, check_targets,
-                        cpu_moe_refusal, human_bytes, pick_device, plan, table_lacks, tied_embeddings)
+                        cpu_moe_refusal, human_bytes, once_per_layer, pick_device, plan, table_lacks,
+                        tied_embeddings)
 from .recipe import Recipe, load_recipe
 from .runlog import RunLog
 
@@ -68,9 +71,11 @@ def _versions() -> dict[str, str]:
 
 
 def git_commit() -> dict:
+    """The checkout's commit, and whether a tracked file differs from it (untracked files, e.g. logs, do not count)."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT_DIR, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=PROJECT_DIR, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PROJECT_DIR,
+                               capture_output=True, text=True)
         return {"commit": sha.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "dirty": None}
@@ -129,7 +134,7 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
         integrity.check_tensors(src, config, arch, first.trust_remote_code)
         if not any(methods.get(r.method).calibrates for r in recipes):  # calibration loads it otherwise
             source.load_tokenizer(src, first.trust_remote_code)  # an artifact without a usable tokenizer is refused
-        plans = [_plan_and_log(r, config, arch) for r in recipes]
+        plans = [_plan_and_log(r, config, arch, table=run) for r in recipes]
         if before_weights is not None:
             before_weights(recipes, source.load_tokenizer(src, first.trust_remote_code))
         device = pick_device(first)
@@ -165,11 +170,14 @@ def _propagation(recipe: Recipe) -> str:
 
 
 def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False,
-                   before_weights: BeforeWeights | None = None) -> str:
-    """Every pre-flight check of `run`, no weights loaded -> the report (also what `run` logs first)."""
+                   before_weights: BeforeWeights | None = None, json_path: str | Path | None = None) -> str:
+    """Every pre-flight check of `run`, no weights loaded -> the report for the terminal (the table once); the
+    plan's JSON is written to json_path (default <out_root>/<name>.preflight.json), which the report names."""
     recipe = load_recipe(recipe_name)
     out = child(out_root, recipe.name, "recipe name")
     check_output_parent(out_root)
+    json_path = Path(json_path) if json_path else child(out_root, f"{recipe.name}.preflight.json", "recipe name")
+    check_output_parent(json_path.parent, "--json")
     pf = preflight([recipe], [out], force, Timings(), before_weights=before_weights)
     c, the_plan = recipe.calibration, pf.plans[0]
     calib_line = (f"calibration: {c.n_samples} x {c.seq_len} tokens from {pf.calib_record['source']}"
@@ -179,7 +187,8 @@ def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: 
                                      "" if recipe.serve.targets else f"warning: {NO_TARGETS}") if x)
     return f"{recipe.name}: {recipe.method} w{recipe.w_bit} g{recipe.q_group_size} format {recipe.out_format}\n" \
            f"{the_plan.summary()}\n{the_plan.table()}\n" + (f"{refused}\n" if refused else "") + \
-           f"output {out}: {human_bytes(pf.free_bytes)} free on its disk\n{calib_line}\n\n{the_plan.to_json()}"
+           f"output {out}: {human_bytes(pf.free_bytes)} free on its disk\n{calib_line}\n" + \
+           f"plan (JSON): {_write_text(json_path, the_plan.to_json() + chr(10))}"
 
 
 SHARED_KEYS = ("model", "calibration", "device", "dtype", "compute_dtype", "batch_size", "trust_remote_code")
@@ -303,14 +312,38 @@ def _checkpointer(recipes: list[Recipe], first_out: Path, pf: Checked,
     return Checkpointer(first_out.parent / f".{first_out.name}.checkpoint", key, every)
 
 
-def _plan_and_log(recipe: Recipe, config, arch):
+def _capacity_facts(artifact: Path, model, serve: dict) -> dict | None:
+    """`capacity.facts` for a written artifact directory (its config.json and safetensors files); None when the
+    served length is unknown."""
+    if not serve.get("max-model-len"):
+        return None
+    weights = sum(f.stat().st_size for f in artifact.glob("*.safetensors"))
+    params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+    return capacity.facts(json.loads((artifact / "config.json").read_text()), serve["max-model-len"], weights,
+                          params)
+
+
+def _write_text(path: Path, text: str) -> Path:
+    """Write `text` to `path` through a temporary file renamed into place -> path (never half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _plan_and_log(recipe: Recipe, config, arch, table: bool = True):
+    """The recipe's plan, logged (the kernel table too unless `table` is False: `preflight_only` prints it)."""
     the_plan = plan(config, arch, recipe, is_skipped)
     log.info("recipe %s: %s w%d g%d symmetric=%s format %s", recipe.name, recipe.method, recipe.w_bit,
              recipe.q_group_size, recipe.symmetric, recipe.out_format)
-    log.info("pre-flight: %s\n%s", the_plan.summary(), the_plan.table())
-    for name, why in the_plan.skipped.items():
-        if why not in ("modules_to_not_convert", ROUTER_KEPT):
-            log.warning("pre-flight: %s stays 16-bit: %s", name, why)
+    log.info("pre-flight: %s" + ("\n%s" if table else "%s"), the_plan.summary(), the_plan.table() if table else "")
+    for line in once_per_layer([f"{name}: stays 16-bit: {why}" for name, why in the_plan.skipped.items()
+                                if why not in ("modules_to_not_convert", ROUTER_KEPT)]):
+        log.warning("pre-flight: %s", line)
     refused = cpu_moe_refusal(the_plan)
     if refused:
         log.warning("pre-flight: %s", refused)
@@ -385,6 +418,7 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
             "deploy": deploy.compact(the_plan.deploy, recipe.dtype) if the_plan.deploy else None,
             "serve": serve,
             "serve_endpoint": serve_config.endpoint(tmp),  # chat, or completions for a tokenizer without a template
+            "capacity": _capacity_facts(tmp, model, serve),
             job.method.stats_key: {str(k): v for k, v in job.stats.items()},
             **({"output_error": {str(k): v for k, v in job.errors.items()}} if job.errors else {}),
             "shared_pass": run.shared,

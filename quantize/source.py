@@ -98,7 +98,12 @@ def resolve(spec: str) -> ModelSource:
         if not (p / "config.json").is_file():
             raise ModelSourceError(f"model {spec!r}: directory {p} has no config.json")
         return ModelSource(spec, p.resolve(), "dir")
-    if p.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+    if not p.exists() and _looks_local(spec):
+        raise ModelSourceError(
+            f"model {spec!r}: directory {p.absolute()} does not exist; fix the path (a relative `model` in a "
+            f"recipe is resolved against the recipe file's directory) or, for a hub model, give its id as owner/name"
+        )
+    if p.exists() or spec.count("/") != 1:
         raise ModelSourceError(
             f"model {spec!r} is neither a directory with config.json, a .gguf file, a package:<pkg>/<file> "
             f"path, nor a hub id of the form owner/name"
@@ -112,6 +117,16 @@ def resolve(spec: str) -> ModelSource:
         hint = " (HF_HUB_OFFLINE=1 and it is not in the local hub cache)" if hub_offline() else ""
         raise ModelSourceError(f"model {spec!r} could not be fetched from the hub{hint}: {e}") from None
     return ModelSource(spec, Path(path), "hub")
+
+
+def _looks_local(spec: str) -> bool:
+    """A spec that can only mean a local path: it starts like one (./ ../ / ~), has more than one '/', or its
+    first part is a directory here (`models/llama` with `models/` present is a mistyped local directory, not a
+    hub id)."""
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        return True
+    head = spec.split("/", 1)[0]
+    return "/" in spec and Path(head).is_dir()
 
 
 def gguf_architecture(gguf: Path, spec: str) -> str:
@@ -207,9 +222,14 @@ def check_weights(source: ModelSource) -> list[str]:
     """
     tensors = sorted(p.name for p in source.path.glob("*.safetensors"))
     pickles = sorted(p.name for p in source.path.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+    if not tensors and not pickles:
+        raise ModelSourceError(
+            f"model {source.spec!r}: no weight files were found in {source.path} (no *.safetensors next to its "
+            f"config.json); copy the checkpoint's *.safetensors files there, or point the recipe's `model` at the "
+            f"directory that holds them"
+        )
     if not tensors:
-        found = f"only pickle weights ({', '.join(pickles[:4])}{' ...' if len(pickles) > 4 else ''})" if pickles \
-            else "no weights (no *.safetensors)"
+        found = f"only pickle weights ({', '.join(pickles[:4])}{' ...' if len(pickles) > 4 else ''})"
         raise ModelSourceError(
             f"model {source.spec!r}: {source.path} has {found}. Pickle checkpoints are refused because loading "
             f"them can run arbitrary code; convert the checkpoint to safetensors (for a checkpoint you trust: "

@@ -348,7 +348,7 @@ def test_cli_user_errors_exit_2(tiny_llama, tmp_path, monkeypatch, capsys):
 # --- model path, device ------------------------------------------------------------------------------------
 
 def test_model_path_and_config_checked_first(tmp_path, no_weights):
-    with pytest.raises(source.ModelSourceError, match="is neither a directory with config.json, a .gguf file"):
+    with pytest.raises(source.ModelSourceError, match=r"directory .*nowhere does not exist; fix the path"):
         runner.run(tiny_recipe(tmp_path, tmp_path / "nowhere", name="nowhere"), out_root=tmp_path / "a")
     (tmp_path / "empty").mkdir()
     with pytest.raises(source.ModelSourceError, match=r"directory .*empty has no config.json"):

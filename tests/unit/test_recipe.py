@@ -103,9 +103,40 @@ def test_inheritance_cycle(tmp_path):
         load_recipe(tmp_path / "a.yaml")
 
 
-def test_missing_recipe_lists_known():
-    with pytest.raises(RecipeError, match="known recipes: .*smollm2-awq-g64"):
+def test_missing_recipe_suggests_the_nearest_name():
+    with pytest.raises(RecipeError, match="did you mean `smollm2-awq-g64`"):
+        load_recipe("smollm2-awq-g46")
+    with pytest.raises(RecipeError, match="`python -m pipeline list` lists the shipped recipes"):
         load_recipe("does-not-exist")
+
+
+def test_missing_recipe_file_suggests_the_nearest_file_beside_it(tmp_path):
+    write_recipe(tmp_path / "mine-awq-g64.yaml", **BASE)
+    with pytest.raises(RecipeError, match="mine-awq-g46.yaml does not exist; did you mean `mine-awq-g64.yaml`"):
+        load_recipe(tmp_path / "mine-awq-g46.yaml")
+
+
+def test_unknown_key_suggests_the_nearest_key(tmp_path):
+    assert "`q_grup_size`: unknown key; did you mean `q_group_size`?" in _err(tmp_path, q_grup_size=64)
+    assert "`awq.n_gird`: unknown key; did you mean `n_grid`?" in _err(tmp_path, awq={"n_gird": 10})
+
+
+def test_relative_model_path_resolves_against_the_recipe_files_directory(tmp_path, monkeypatch):
+    here = tmp_path / "project" / "recipes"
+    (tmp_path / "project" / "models" / "mine").mkdir(parents=True)
+    here.mkdir()
+    (here / "local" / "m").mkdir(parents=True)
+    for name, model in (("dotted", "../models/mine"), ("beside", "local/m"), ("hub", "Owner/model-7b")):
+        write_recipe(here / f"{name}.yaml", **{**BASE, "name": name, "model": model})
+    monkeypatch.chdir(tmp_path)  # the working directory plays no part
+    want = str((tmp_path / "project" / "models" / "mine").resolve())
+    assert load_recipe(here / "dotted.yaml").model == want
+    assert load_recipe(here / "beside.yaml").model == str((here / "local" / "m").resolve())
+    assert load_recipe(here / "hub.yaml").model == "Owner/model-7b"  # a hub id stays one
+    (here / "child").mkdir()
+    no_model = {k: v for k, v in BASE.items() if k != "model"}
+    write_recipe(here / "child" / "inherits.yaml", **no_model, name="inherits", base="../dotted.yaml")
+    assert load_recipe(here / "child" / "inherits.yaml").model == want  # relative to the file that says it
 
 
 def test_gptq_asymmetric_in_gptq_format_refused(tmp_path):
