@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 RECIPE ?= smollm2-awq-g64
 PYTEST_ARGS ?=
 
-.PHONY: help venv quantize eval serve bench-serve compare register registry test test-all recipes validate \
+.PHONY: help venv quantize eval serve bench-serve compare register registry registry-ui test test-all recipes validate \
 	preflight clean-artifacts
 
 # RECIPE is a recipe name (recipes/<name>.yaml) or the path of a .yaml file: its artifact is artifacts/<name>
@@ -89,6 +89,13 @@ register: $(STAMP)
 ## list every registered version with its metrics, aliases and how to serve it
 registry: $(STAMP)
 	$(PY) -m pipeline registry
+
+# make registry-ui [HOST=127.0.0.1] [UI_PORT=5000]: MLflow's own web UI on registry/mlflow.db (registered
+# models, versions, their metrics and tags); open http://localhost:5000, Ctrl-C stops it.
+UI_PORT ?= 5000
+## serve MLflow's web UI on the registry at http://localhost:$(UI_PORT) [HOST= UI_PORT=]
+registry-ui: $(STAMP)
+	$(PY) -m pipeline registry --ui --host $(HOST) --port $(UI_PORT)
 
 ## list the shipped recipes
 recipes: $(STAMP)

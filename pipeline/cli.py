@@ -84,6 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("registry", parents=[common], help="list registered versions with their metrics")
     ls.add_argument("--name", help="one registered model only")
     ls.add_argument("--json", action="store_true", help="print the versions as JSON (tags, metrics, aliases, source)")
+    ls.add_argument("--ui", action="store_true",
+                    help="serve MLflow's own web UI on the registry (registry/mlflow.db) until Ctrl-C")
+    ls.add_argument("--host", default="127.0.0.1", help="with --ui: the address to bind (default 127.0.0.1)")
+    ls.add_argument("--port", type=int, default=5000, help="with --ui: the port (default 5000)")
     sv = sub.add_parser("serve", parents=[common],
                         help="vLLM's OpenAI-compatible server on an artifact: a recipe's, a directory, or a "
                              "registered version (models:/<name>@<alias> or models:/<name>/<version>)")
@@ -333,6 +337,8 @@ def _command(args) -> int:
     if args.cmd == "registry":
         from . import registry
 
+        if args.ui:
+            return _registry_ui(registry.ui_command(args.host, args.port), args.host, args.port)
         rows = registry.versions(args.name)
         print(json.dumps(rows, indent=2) if args.json else registry.table(rows))
         return 0
@@ -351,6 +357,21 @@ def _command(args) -> int:
     recipe = load_recipe(args.recipe)
     check_output_parent(args.out)
     return _run_command(args, recipe)
+
+
+def _registry_ui(cmd: list[str], host: str, port: int) -> int:
+    """Run MLflow's server in the foreground; Ctrl-C (or SIGTERM) stops it and its workers."""
+    import subprocess
+
+    print(f"MLflow UI on the registry: http://{'localhost' if host in ('127.0.0.1', '0.0.0.0') else host}:{port} "
+          f"(Ctrl-C stops it)", flush=True)
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        return 0
 
 
 def _register_command(args) -> int:

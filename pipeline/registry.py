@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import sqlite3
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -85,6 +86,21 @@ def _client():
     registry = os.environ.get("MLFLOW_REGISTRY_URI") or uri
     mlflow.set_registry_uri(registry)
     return mlflow, MlflowClient(tracking_uri=uri, registry_uri=registry)
+
+
+def ui_command(host: str, port: int) -> list[str]:
+    """The command that serves MLflow's own web UI (and REST API) on the registry: `mlflow server` on its SQLite
+    store, its artifacts where `register` copies them. RegistryError when the registry is a server already."""
+    uri = tracking_uri()
+    if not uri.startswith("sqlite:///"):
+        raise RegistryError(f"the registry {uri} is not a local SQLite file: open its own server in a browser "
+                            f"instead (unset MLFLOW_TRACKING_URI to browse registry/mlflow.db)")
+    db = Path(uri.removeprefix("sqlite:///"))
+    if not db.is_file():
+        raise RegistryError(f"no registry at {db} yet: register an artifact first (make register RECIPE=...)")
+    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
+            "--default-artifact-root", (db.parent / "artifacts").as_uri(), "--host", host, "--port", str(port),
+            "--workers", "1"]
 
 
 def _experiment_id(client, uri: str) -> str:

@@ -118,3 +118,38 @@ def test_register_alias_then_serve_the_registered_version(compared, sqlite_regis
     assert proc.returncode == 0, text[-3000:]
     assert "models:/tiny-rs@champion: " in text and "(manifest verified)" in text and "stopped" in text
     assert not list(out.glob(".serve-registry-*"))
+
+
+def test_the_registry_ui_serves_a_registered_versions_metrics_over_http(compared, sqlite_registry, tmp_path):
+    """`make registry-ui` (`python -m pipeline registry --ui`): MLflow's own server on the registry's SQLite file
+    serves its web UI, and its REST API gives a registered version's run with the eval's KL and top-1."""
+    assert cli_main(["register", "--comparison", "tiny-rs", "--out", str(compared)]) == 0
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "registry", "--ui", "--port", str(port)], cwd=ROOT,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the MLflow UI did not answer within 180 s"
+            time.sleep(1)
+        page = httpx.get(f"{base}/", timeout=30)
+        assert page.status_code == 200 and "<title>MLflow</title>" in page.text
+        found = httpx.get(f"{base}/api/2.0/mlflow/model-versions/search", params={"filter": "name='tiny-rs'"},
+                          timeout=30).json()["model_versions"]
+        assert sorted(v["version"] for v in found) == ["1", "2"]
+        for v in found:
+            run = httpx.get(f"{base}/api/2.0/mlflow/runs/get", params={"run_id": v["run_id"]}, timeout=30).json()
+            metrics = {m["key"]: m["value"] for m in run["run"]["data"]["metrics"]}
+            variant = next(t["value"] for t in v["tags"] if t["key"] == "variant")
+            dist = json.loads((compared / variant / "report.json").read_text())["distribution"]
+            assert metrics["kl_mean"] == pytest.approx(dist["kl_mean"]) and metrics["top1"] == pytest.approx(dist["top1"])
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
