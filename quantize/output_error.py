@@ -17,9 +17,10 @@ import torch
 def from_hessian(w: torch.Tensor, q: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
     """w, q: [out, in], H: [in, in] (2 XᵀX / n) -> e (0-dim float32 tensor, on w's device).
 
-    On CUDA the two products [out, in] @ [in, in] run in bfloat16 on tensor cores, the sums in float32: in
-    float32 they took 5.7 s of a 7B GPTQ stage of 20.4 s on an H200 (docs/BENCHMARKS.md), for a diagnostic whose
-    rounding error is far below the differences it shows. Elsewhere they run in float32."""
+    On CUDA the two products [out, in] @ [in, in] run in bfloat16 on tensor cores, the sums in float32: the 7B
+    GPTQ stage took 14.7 s without this diagnostic, 20.4 s with float32 products and 17.9 s with bfloat16 ones
+    (single runs on an H200, docs/BENCHMARKS.md); bfloat16's rounding is far below the differences it shows
+    between linears. Elsewhere the products run in float32."""
     dt = torch.bfloat16 if w.is_cuda else torch.float32
     w32 = w.float()
     d = w32 - q.float()  # [out, in]
