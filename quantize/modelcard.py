@@ -202,13 +202,9 @@ def plot_errors(m: dict, path: Path) -> bool:
     curves = output_error.by_depth(m.get("output_error") or {})
     if not curves:
         return False
-    try:
-        import matplotlib
-    except ImportError:
-        log.warning("matplotlib is not installed: no %s (the errors are in manifest.json)", path.name)
+    plt = _pyplot(path, "errors")
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4))
     for name, pts in curves.items():
@@ -257,13 +253,9 @@ def plot_experts(m: dict, path: Path) -> list[list[int]] | None:
     layers = expert_layers(m)
     if not layers:
         return None
-    try:
-        import matplotlib
-    except ImportError:
-        log.warning("matplotlib is not installed: no %s (the counts are in manifest.json)", path.name)
+    plt = _pyplot(path, "counts")
+    if plt is None:
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
 
     matrix = [list(e["routed_tokens"]) for _, e in layers]
@@ -382,3 +374,16 @@ def _calibration_text(c: dict | None) -> str:
     if not c:
         return "none (round-to-nearest)"
     return f"{c['n_samples']} x {c['seq_len']} tokens of {c['dataset']} (seed {c['seed']})"
+
+
+def _pyplot(path: Path, what: str):
+    """matplotlib's pyplot on the Agg backend, or None (with a warning naming the plot) without the `plots` extra."""
+    try:
+        import matplotlib
+    except ImportError:
+        log.warning("matplotlib is not installed: no %s (the %s are in manifest.json)", path.name, what)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
