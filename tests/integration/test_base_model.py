@@ -9,6 +9,7 @@ import pytest
 
 from eval import serve
 from eval.serve import ServeError, Server, chat
+from eval.vllm_run import VllmError
 from quantize import runner, serve_config
 from tests.conftest import eval_main, tiny_recipe
 
@@ -69,7 +70,7 @@ def test_make_serve_hint_names_the_endpoint(tiny_base, monkeypatch, capsys):
             return False
 
     monkeypatch.setattr(serve, "Server", Started)
-    with pytest.raises(SystemExit):
+    with pytest.raises(VllmError, match="vLLM's server exited"):  # the command line prints it as one error line
         serve.main([str(tiny_base)])
     out = capsys.readouterr().out
     assert "ask it on /v1/completions: the tokenizer has no chat template (a base model)" in out
