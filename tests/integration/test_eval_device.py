@@ -215,7 +215,7 @@ def test_vllm_asked_for_the_artifacts_dtype(evaluated, monkeypatch, tmp_path):
     assert asked["dtype"] == "bfloat16" and r["vllm_smoke"]["dtype"] == "bfloat16" and not r["passed"]
     monkeypatch.setattr(report, "vllm_unavailable", lambda: "vllm not importable")
     r = stages.evaluate(art, None, eopts)
-    assert r["vllm_smoke"] == {"skipped": "vllm not importable"}
+    assert r["vllm_smoke"] == {"skipped": "vllm not importable", "endpoint": "/v1/chat/completions"}
     assert "vLLM smoke-load: skipped (vllm not importable)" in (art / "README.md").read_text()
     from pipeline import registry
 
