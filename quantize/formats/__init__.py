@@ -66,7 +66,7 @@ def moe_marlin_misfit(hidden: int, inter_pp: int, group: int) -> str:
 
 def _act_order(recipe) -> bool:
     """Columns were quantized in activation order (static: groups stay contiguous): the recipe's method says."""
-    return recipe.static_act_order
+    return bool(getattr(recipe, "static_act_order", False))  # a plain namespace (deploy.py) has none
 
 
 @dataclass(frozen=True)

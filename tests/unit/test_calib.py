@@ -72,12 +72,12 @@ def test_samples_seeded_and_too_short():
 
 
 def test_eval_text_sources(monkeypatch, tmp_path):
-    from eval.perplexity import load_eval_text
+    from eval.perplexity import EvalInputError, load_eval_text
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     text, src = load_eval_text("wikitext2")
     assert len(text.encode()) == 1_296_370 and src.endswith("wikitext2-raw-test.txt")
-    with pytest.raises(FileNotFoundError, match="c4.*HF_HUB_OFFLINE"):
+    with pytest.raises(EvalInputError, match="c4.*HF_HUB_OFFLINE"):
         load_eval_text("c4")
     (tmp_path / "t.txt").write_text("hello")
     assert load_eval_text(str(tmp_path / "t.txt"))[0] == "hello"

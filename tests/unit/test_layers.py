@@ -17,9 +17,13 @@ LAZY_OK = {"transformers", "datasets", "huggingface_hub", "gguf", "mlflow", "sql
 # Modules read by the command line's light commands (`--help`, `list`, `validate`), which import no torch: the
 # CLI imports each stage inside the command that runs it, the formats' facts import their layouts where they
 # pack or decode, a method's facts import its per-layer job where a layer is processed.
-DEFERS = {"pipeline.cli": ("quantize.", "pipeline.", "torch"),
-          "quantize.formats": ("quantize.formats.", "quantize.primitives", "torch"),
-          "quantize.methods.": ("quantize.methods.layer", "quantize.methods.awq_layer", "quantize.methods.gptq_layer")}
+DEFERS = {          "quantize.formats": ("quantize.formats.", "quantize.primitives", "torch"),
+          "quantize.methods.": ("quantize.methods.layer", "quantize.methods.awq_layer", "quantize.methods.gptq_layer"),
+          # the deployability table: pre-flight reads its facts; its child process and command line import vLLM,
+          # torch and the model code only where they run
+          "quantize.deploy": ("",), "quantize.vllm_kernels": ("",),
+          "eval.lmeval": ("",),  # lm-eval (an optional extra) and its task files, only when a recipe asks for tasks
+          "pipeline.cli": ("quantize.", "pipeline.", "torch", "subprocess")}
 
 
 def _deferred(m: str, t: str) -> bool:
