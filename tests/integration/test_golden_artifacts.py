@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,12 +38,15 @@ VARIANTS = {
 
 
 def _bytes(p: Path) -> bytes:
-    if p.name != "config.json":
-        return p.read_bytes()
-    # transformers writes the absolute source directory into `_name_or_path` when it saves a config; the
-    # rest of the file is pinned byte for byte
-    text = p.read_text()
-    return text.replace(json.dumps(json.loads(text).get("_name_or_path", "")), '""').encode()
+    # both record where the source model lay, an absolute path (transformers writes it into a saved config's
+    # `_name_or_path`; the resolved recipe resolves `model` against the recipe's directory); the rest of each
+    # file is pinned byte for byte
+    if p.name == "config.json":
+        text = p.read_text()
+        return text.replace(json.dumps(json.loads(text).get("_name_or_path", "")), '""').encode()
+    if p.name == "recipe.yaml":
+        return re.sub(rb"(?m)^model: .*$", b"model: ''", p.read_bytes(), count=1)
+    return p.read_bytes()
 
 
 def _hashes(art: Path) -> dict[str, str]:
@@ -51,7 +55,8 @@ def _hashes(art: Path) -> dict[str, str]:
 
 
 def build_all(tmp: Path) -> dict[str, dict[str, str]]:
-    """Built under tmp with relative paths, so that no file records where the test ran."""
+    """Built under tmp with relative paths; the two files that still record the source path are normalised
+    by `_bytes`."""
     sys.path.insert(0, str(ROOT))
     from tests.conftest import build_tiny_model, tiny_recipe
     from quantize import runner
