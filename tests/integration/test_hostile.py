@@ -163,6 +163,9 @@ def test_debug_shows_the_traceback(tiny_llama, tmp_path):
 
 # --- signals during export ---------------------------------------------------------------------------------
 
+# The wait is many short sleeps: the kernel hands a process-directed signal to any of the process's threads
+# (torch's workers included), and Python runs its handler in the main thread only when that thread next
+# executes bytecode, so one long C-level sleep would hold the handled signal back until it ends.
 DRIVER = """
 import sys, time
 from pipeline import cli
@@ -171,7 +174,8 @@ real = export.write_sharded
 def slow(*a, **k):
     names = real(*a, **k)
     print("exporting", flush=True)
-    time.sleep(120)
+    for _ in range(1200):
+        time.sleep(0.1)
     return names
 export.write_sharded = slow
 sys.exit(cli.main(sys.argv[1:]))
