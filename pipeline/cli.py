@@ -342,6 +342,8 @@ def _command(args) -> int:
         rows = registry.versions(args.name)
         print(json.dumps(rows, indent=2) if args.json else registry.table(rows))
         return 0
+    if args.cmd in ("run", "preflight"):
+        _refuse_targets_early(args)
     if args.cmd == "preflight":
         from quantize import runner
 
@@ -357,6 +359,16 @@ def _command(args) -> int:
     recipe = load_recipe(args.recipe)
     check_output_parent(args.out)
     return _run_command(args, recipe)
+
+
+def _refuse_targets_early(args) -> None:
+    """A recipe's serve.targets refused from config.json alone, before `runner` imports torch (seconds); pre-flight
+    checks them again and decides what this leaves open (quantize.deploy.refuse_targets_early)."""
+    from quantize.deploy import refuse_targets_early
+
+    recipe = load_recipe(args.recipe)
+    check_output_parent(args.out)
+    refuse_targets_early(recipe, child(args.out, recipe.name, "recipe name"), args.force)
 
 
 def _registry_ui(cmd: list[str], host: str, port: int) -> int:

@@ -17,10 +17,12 @@ capture loop records what the stack hands each layer (capture.first_layer_inputs
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-
-import torch.nn as nn
+from typing import TYPE_CHECKING
 
 from .errors import UserError
+
+if TYPE_CHECKING:  # torch takes seconds to import: pre-flight's refusals from config.json alone need none of it
+    import torch.nn as nn
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,10 @@ class Arch:
     unquantized: tuple[str, ...] = ()  # modules of a decoder layer never converted (kept 16-bit whatever the recipe)
     serve_dtypes: tuple[str, ...] = ("float16", "bfloat16")  # the 16-bit dtypes vLLM serves the model in
     experts: "Experts | None" = None  # the MLP is a sparse mixture of experts (see `Experts`)
+    # (linear, in, out) of each linear in `linears`, as the sizes `config_sizes` names: read from config.json
+    # alone (pre-flight's kernel checks need no model); tests/unit/test_arch_shapes.py holds them to transformers'
+    shapes: tuple[tuple[str, str, str], ...] = ()
+    head_dim_default: int | None = None  # head_dim where config.json omits it (None: hidden_size / heads)
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,10 @@ class Experts:
     router: str  # the router (weight [E, H]); called on [tokens, H], returns (logits, weights, indices)
     norm: str  # the norm whose output feeds the router, the experts and a shared expert
     count_key: str  # config key holding the number of routed experts
+    count_aliases: tuple[str, ...] = ()  # config.json keys transformers maps onto count_key (its attribute_map)
     top_k_key: str = "num_experts_per_tok"
+    intermediate_key: str = "moe_intermediate_size"  # config key of one routed expert's intermediate size
+    shared_intermediate_key: str | None = None  # config key of the shared expert's intermediate size
     shared: str | None = None  # a dense MLP every token goes through (Qwen2-MoE's shared_expert)
     shared_gate: str | None = None  # its sigmoid gate, a [1, H] linear (kept 16-bit)
     renames: tuple[tuple[str, str], ...] = ()  # (module-name part, checkpoint-name part) at export
@@ -129,6 +138,15 @@ _LLAMA_LIKE = Arch(
         ("mlp.down_proj",),
     ),
     row_parallel=("self_attn.o_proj", "mlp.down_proj"),
+    shapes=(
+        ("self_attn.q_proj", "hidden", "q"),
+        ("self_attn.k_proj", "hidden", "kv"),
+        ("self_attn.v_proj", "hidden", "kv"),
+        ("self_attn.o_proj", "q", "hidden"),
+        ("mlp.gate_proj", "hidden", "mlp"),
+        ("mlp.up_proj", "hidden", "mlp"),
+        ("mlp.down_proj", "mlp", "hidden"),
+    ),
 )
 
 # Gemma 3 (text): the same linears; the MLP reads `pre_feedforward_layernorm` (`post_attention_layernorm` norms
@@ -141,6 +159,7 @@ _GEMMA3 = replace(
                        for g in _LLAMA_LIKE.scale_groups),
     norm_offset=1.0,
     serve_dtypes=("bfloat16",),  # vLLM refuses Gemma in float16 (its activations overflow there)
+    head_dim_default=256,  # transformers' Gemma2Config / Gemma3TextConfig
 )
 
 # Gemma 2: Gemma 3's layout without q_norm/k_norm; its attention logits are soft-capped, which transformers
@@ -166,6 +185,8 @@ _PHI3 = Arch(
     no_clip=("self_attn.qkv_proj",),
     sequential=(("self_attn.qkv_proj",), ("self_attn.o_proj",), ("mlp.gate_up_proj",), ("mlp.down_proj",)),
     row_parallel=("self_attn.o_proj", "mlp.down_proj"),
+    shapes=(("self_attn.qkv_proj", "hidden", "qkv"), ("self_attn.o_proj", "q", "hidden"),
+            ("mlp.gate_up_proj", "hidden", "gate_up"), ("mlp.down_proj", "mlp", "hidden")),
 )
 
 # OLMo 2: no norm before the attention or the MLP (post_attention_layernorm and post_feedforward_layernorm norm
@@ -186,16 +207,19 @@ _ATTENTION_ONLY = replace(
     fused=_LLAMA_LIKE.fused[:1],
     sequential=_LLAMA_LIKE.sequential[:2],
     row_parallel=("self_attn.o_proj",),
+    shapes=_LLAMA_LIKE.shapes[:4],
 )
 _MIXTRAL = replace(_ATTENTION_ONLY, experts=Experts(
     block="mlp", module="mlp.experts", router="mlp.gate", norm="post_attention_layernorm",
-    count_key="num_local_experts",
+    count_key="num_local_experts", count_aliases=("num_experts",), intermediate_key="intermediate_size",
     renames=((".mlp.", ".block_sparse_moe."), (".gate_proj.", ".w1."), (".up_proj.", ".w3."),
              (".down_proj.", ".w2."))))
-_QWEN3_MOE = replace(_ATTENTION_ONLY, experts=Experts(
-    block="mlp", module="mlp.experts", router="mlp.gate", norm="post_attention_layernorm", count_key="num_experts"))
+_QWEN3_MOE = replace(_ATTENTION_ONLY, experts=Experts(  # Qwen3MoeConfig has no head_dim of its own (unlike Qwen3's)
+    block="mlp", module="mlp.experts", router="mlp.gate", norm="post_attention_layernorm", count_key="num_experts",
+    count_aliases=("num_local_experts",)))
 _QWEN2_MOE = replace(_ATTENTION_ONLY, experts=replace(
-    _QWEN3_MOE.experts, shared="mlp.shared_expert", shared_gate="mlp.shared_expert_gate"))
+    _QWEN3_MOE.experts, count_aliases=(), shared="mlp.shared_expert", shared_gate="mlp.shared_expert_gate",
+    shared_intermediate_key="shared_expert_intermediate_size"))
 
 # Qwen3 adds q_norm/k_norm after q_proj/k_proj (per head): AWQ's input-side scaling is unaffected.
 # Granite is Llama with constant multipliers (embedding, residual, attention, logits): none sits between a
@@ -204,7 +228,7 @@ ARCHITECTURES: dict[str, Arch] = {
     "LlamaForCausalLM": _LLAMA_LIKE,
     "MistralForCausalLM": _LLAMA_LIKE,
     "Qwen2ForCausalLM": _LLAMA_LIKE,
-    "Qwen3ForCausalLM": _LLAMA_LIKE,
+    "Qwen3ForCausalLM": replace(_LLAMA_LIKE, head_dim_default=128),  # transformers' Qwen3Config
     "Gemma3ForCausalLM": _GEMMA3,
     "MixtralForCausalLM": _MIXTRAL,
     "Qwen2MoeForCausalLM": _QWEN2_MOE,
@@ -272,6 +296,8 @@ def layer_prefix(arch: Arch, index: int) -> str:
 def active_scale_groups(layer: nn.Module, arch: Arch) -> list[ScaleGroup]:
     """The scale groups whose scales can be folded in this layer: drops groups with no `prev` and v->o under
     grouped-query attention (the v slice is not the rows o_proj reads)."""
+    import torch.nn as nn
+
     groups = []
     for g in arch.scale_groups:
         if not g.prev:
@@ -296,7 +322,12 @@ def _check_every_layer_sparse(config, name: str) -> None:
 
 
 def expert_count(arch: Arch, config) -> int:
-    return int(getattr(config, arch.experts.count_key)) if arch.experts else 0
+    """Routed experts per layer (0 for a dense model); AttributeError when the config gives none."""
+    if arch.experts is None:
+        return 0
+    x = arch.experts
+    key = next((k for k in (x.count_key, *x.count_aliases) if getattr(config, k, None) is not None), x.count_key)
+    return int(getattr(config, key))
 
 
 def expert_linears(arch: Arch, config) -> list[str]:
@@ -326,3 +357,46 @@ def attn_implementation(config) -> str:
     """The attention implementation transformers should run this config's model with (sdpa where unknown)."""
     names = list(getattr(config, "architectures", None) or [])
     return next((ARCHITECTURES[n].attn_implementation for n in names if n in ARCHITECTURES), "sdpa")
+
+
+def config_sizes(arch: Arch, config) -> dict[str, int]:
+    """A config -> the sizes `Arch.shapes` names (hidden, q, kv, qkv, mlp, gate_up; expert, shared for experts).
+
+    config: transformers' config, or config.json's keys as attributes (pre-flight reads it before importing
+    torch); KeyError names a key config.json does not give (transformers' default is then unknown here).
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    def need(key: str) -> int:
+        value = getattr(text, key, None)
+        if value is None:
+            raise KeyError(key)
+        return int(value)
+
+    hidden, heads, kv = need("hidden_size"), need("num_attention_heads"), need("num_key_value_heads")
+    head_dim = getattr(text, "head_dim", None) or arch.head_dim_default or hidden // heads
+    sizes = {"hidden": hidden, "q": heads * head_dim, "kv": kv * head_dim, "qkv": (heads + 2 * kv) * head_dim}
+    if any(size in ("mlp", "gate_up") for _, i, o in arch.shapes for size in (i, o)):
+        sizes |= {"mlp": need("intermediate_size"), "gate_up": 2 * need("intermediate_size")}
+    if arch.experts is not None:
+        sizes["expert"] = need(arch.experts.intermediate_key)
+        if arch.experts.shared:
+            sizes["shared"] = need(arch.experts.shared_intermediate_key)
+    return sizes
+
+
+def linear_shapes(arch: Arch, config) -> dict[str, tuple[int, int]]:
+    """A config -> every quantizable linear of one decoder layer {local name: (in, out)}, routed experts included,
+    from the table alone (no model is built); KeyError as in `config_sizes`."""
+    sizes = config_sizes(arch, config)
+    table = {n: (sizes[i], sizes[o]) for n, i, o in arch.shapes}
+    if arch.experts is not None:
+        x = arch.experts
+        mlps = [(x.shared, "shared")] if x.shared else []
+        for prefix, inter in mlps + [(x.expert(e), "expert") for e in range(expert_count(arch, config))]:
+            table |= {f"{prefix}.gate_proj": (sizes["hidden"], sizes[inter]),
+                      f"{prefix}.up_proj": (sizes["hidden"], sizes[inter]),
+                      f"{prefix}.down_proj": (sizes[inter], sizes["hidden"])}
+    missing = [n for n in all_linears(arch, config) if n not in table]
+    assert not missing, f"quantize/arch.py: no shapes entry for {missing}"
+    return {n: table[n] for n in all_linears(arch, config) if n not in arch.unquantized}

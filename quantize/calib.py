@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
 import threading
 import urllib.error
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
+from .source import hub_offline
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,6 @@ def _sha(docs: list[str]) -> str:
 
 def _split_paragraphs(text: str) -> list[str]:
     return [p.strip() for p in text.split("\n\n") if p.strip()]
-
-
-def hub_offline() -> bool:
-    """The one rule for 'the hub may not be used' (HF_HUB_OFFLINE=1/true/yes), shared by every loader."""
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
 
 
 def _from_hub(dataset: str, subset: str | None, split: str, column: str, max_docs: int | None) -> list[str]:

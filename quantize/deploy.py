@@ -89,6 +89,8 @@ def vllm_modules(linears: dict[str, tuple[int, int]], arch, config) -> list[dict
 
 
 def _expert_modules(linears: dict[str, tuple[int, int]], arch, config) -> list[dict]:
+    from .arch import expert_count
+
     if arch.experts is None:
         return []
     x, mods = arch.experts, []
@@ -98,17 +100,21 @@ def _expert_modules(linears: dict[str, tuple[int, int]], arch, config) -> list[d
                  {"name": f"{x.shared}.down_proj", "kind": "row", "in": di, "out": do}]
     gate = linears.get(x.expert(0, "gate_proj"))
     if gate is not None:
-        mods.append({"name": x.module, "kind": "experts", "experts": int(getattr(config, x.count_key)),
+        mods.append({"name": x.module, "kind": "experts", "experts": expert_count(arch, config),
                      "top_k": int(getattr(config, x.top_k_key)), "hidden": gate[0], "intermediate": gate[1]})
     return mods
 
 
-def query(recipe, modules: list[dict], capabilities=CAPABILITIES, tp_sizes=TP_SIZES, dtypes=DTYPES) -> dict:
-    """What the child (and the hand rules) answer: the checkpoint's quantization_config, modules and cells."""
+def query(recipe, modules: list[dict], capabilities=CAPABILITIES, tp_sizes=TP_SIZES, dtypes=DTYPES,
+          for_vllm: bool = True) -> dict:
+    """What the child (and the hand rules) answer: the checkpoint's quantization_config, modules and cells.
+
+    for_vllm False: without the quantization_config, which only the child reads (some formats' import torch)."""
     fmt = formats.get(recipe.out_format)
+    config = {"quantization_config": fmt.quantization_config(recipe, [])} if for_vllm else {}
     return {"format": fmt.name, "w_bit": recipe.w_bit, "group": recipe.q_group_size, "symmetric": recipe.symmetric,
-            "quantization_config": fmt.quantization_config(recipe, []), "modules": modules,
-            "capabilities": list(capabilities), "tp_sizes": list(tp_sizes), "dtypes": list(dtypes)}
+            **config, "modules": modules, "capabilities": list(capabilities), "tp_sizes": list(tp_sizes),
+            "dtypes": list(dtypes)}
 
 
 # ---- the hand-written rules: vLLM's partitioning and the formats' kernel rules ----
@@ -364,30 +370,11 @@ def compact(table: dict, dtype: str) -> dict:
 # ---- shapes from a config alone, and the hand rules checked against vLLM ----
 
 def config_linears(config, arch) -> dict[str, tuple[int, int]]:
-    """A model config -> one decoder layer's quantizable linears {local name: (in, out)} (meta device, 1 layer)."""
-    import copy
+    """A model config -> one decoder layer's quantizable linears {local name: (in, out)}, from the architecture
+    table's shapes (`arch.linear_shapes`: no model is built, no torch is imported)."""
+    from .arch import linear_shapes
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from .arch import all_linears, decoder_layers
-    from .experts import split_experts
-
-    one = copy.deepcopy(config)
-    text = one.get_text_config() if hasattr(one, "get_text_config") else one
-    text.num_hidden_layers = 1
-    if getattr(text, "layer_types", None):
-        text.layer_types = text.layer_types[:1]
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(one)
-    split_experts(meta, arch)
-    layer = decoder_layers(meta, arch)[0]
-    out = {}
-    for n in all_linears(arch, one):
-        if n not in arch.unquantized:
-            o, i = layer.get_submodule(n).weight.shape
-            out[n] = (int(i), int(o))
-    return out
+    return linear_shapes(arch, config)
 
 
 def disagreements(q: dict, rules: dict, vllm: dict) -> list[str]:
@@ -468,10 +455,39 @@ def check_targets_by_rules(recipe, config, arch, is_skipped) -> None:
     """serve.targets by the hand rules, from the config alone (no weights, no vLLM import: instant)."""
     if not recipe.serve.targets:
         return
-    modules = recipe_modules(recipe, config, arch, is_skipped)
+    problem = _rules_problem(recipe, recipe_modules(recipe, config, arch, is_skipped))
+    if problem:
+        raise DeployError(problem)
+
+
+def _rules_problem(recipe, modules: list[dict]) -> str | None:
     caps = sorted({c for c, _, _ in _target_cells(recipe)}, key=float)
-    table = build(query(recipe, modules, caps, TP_SIZES, [recipe.dtype]), use_vllm=False)
-    problem = target_problem(table, recipe, modules)
+    table = build(query(recipe, modules, caps, TP_SIZES, [recipe.dtype], for_vllm=False), use_vllm=False)
+    return target_problem(table, recipe, modules)
+
+
+def refuse_targets_early(recipe, out: Path, force: bool) -> None:
+    """serve.targets by the hand rules from config.json read as plain JSON, before the command line imports torch
+    or transformers (they take seconds): a refused target fails at once, with pre-flight's own message.
+
+    What this cannot decide is left to pre-flight, which checks the same targets on transformers' config: a model
+    not on disk as a directory or in the hub cache (GGUF, a download), a size config.json leaves to transformers'
+    defaults, an unsupported architecture, and the errors pre-flight reports before the targets (an existing
+    output, custom code the recipe does not trust)."""
+    if not recipe.serve.targets or (out.exists() and not force):
+        return
+    from .arch import arch_for
+    from .source import config_json
+
+    try:
+        config = config_json(recipe.model, recipe.trust_remote_code)
+        if config is None:
+            return
+        arch = arch_for(config)
+        modules = recipe_modules(recipe, config, arch, formats.is_skipped)
+    except (KeyError, AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return  # pre-flight reads the config with transformers and says what is wrong with it
+    problem = _rules_problem(recipe, modules)
     if problem:
         raise DeployError(problem)
 
@@ -495,7 +511,6 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from .arch import arch_for
-    from .methods.layer import is_skipped
     from .recipe import load_variants
     from .source import ModelSource, read_config, resolve
 
@@ -509,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         for recipe in load_variants(name):
             src = ModelSource("config", Path(args.config), "dir") if args.config else resolve(recipe.model)
             config = read_config(src, recipe.trust_remote_code)
-            table, _ = recipe_table(recipe, config, arch_for(config), is_skipped)
+            table, _ = recipe_table(recipe, config, arch_for(config), formats.is_skipped)
             text = render(table)
             print(f"### {recipe.name}\n\n```\n{text}\n```\n" if args.markdown else f"{recipe.name}\n{text}\n")
     return 0

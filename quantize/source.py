@@ -18,15 +18,17 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError, safe_open
 
 from .errors import UserError
 from .arch import attn_implementation, check_gguf_architecture
-from .calib import hub_offline
 from .files import sha256_file
+
+if TYPE_CHECKING:  # torch takes seconds to import: pre-flight reads config.json before it needs torch
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,11 @@ class ModelSource:
     path: Path  # a local HF directory
     kind: str  # dir | gguf | hub
     origin_sha256: str | None = None  # of the GGUF file, when the source was one
+
+
+def hub_offline() -> bool:
+    """The one rule for 'the hub may not be used' (HF_HUB_OFFLINE=1/true/yes), shared by every loader."""
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
 
 
 def cache_dir() -> Path:
@@ -196,6 +203,7 @@ def _cache_damage(target: Path, sha: str) -> str | None:
 
 def _convert_gguf(gguf: Path, into: Path) -> None:
     """transformers' GGUF loader, dequantizing to bf16, saved as a safetensors checkpoint with its tokenizer."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -282,6 +290,31 @@ def read_config(source: ModelSource, trust_remote_code: bool = False):
     except (ValueError, KeyError, TypeError, OSError, StrictDataclassError) as e:  # the last: a field's type
         raise ModelSourceError(f"model {source.spec!r}: {source.path / 'config.json'} is not a usable transformers "
                                f"config ({brief(e)}); fix or re-download it") from None
+
+
+def config_json(spec: str, trust_remote_code: bool = False) -> SimpleNamespace | None:
+    """A recipe's `model` -> its config.json's keys as attributes, read as plain JSON (no transformers, no torch)
+    where `resolve` would find it without converting or downloading anything: a local directory, or a hub id in
+    the local hub cache under HF_HUB_OFFLINE; None elsewhere. Custom code is refused as `read_config` refuses it;
+    the values are not validated (`read_config` does that)."""
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        path = p / "config.json"
+    elif hub_offline() and not p.exists() and spec.count("/") == 1 and not _looks_local(spec):
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(spec, "config.json")
+        if not isinstance(found, str):
+            return None
+        path = Path(found)
+    else:
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    check_remote_code(ModelSource(spec, path.parent, "dir"), trust_remote_code)
+    return SimpleNamespace(**data) if isinstance(data, dict) else None
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool = False,

@@ -28,6 +28,11 @@ TRITON_W4A16_GROUPS = (-1, 32, 64, 128, 256)
 MARLIN, FALLBACK, REFUSED = "marlin", "fallback", "refused"
 
 
+def is_skipped(name: str, modules_to_not_convert: tuple[str, ...]) -> bool:
+    """vLLM's rule for AWQ: a module is left unconverted when any entry is a substring of its name."""
+    return any(m in name for m in modules_to_not_convert)
+
+
 def marlin_misfit(in_f: int, in_pp: int, group: int) -> str:
     """Why Marlin cannot take a linear with in_f inputs, in_pp of them on each GPU; "" when it can."""
     if group not in MARLIN_GROUPS:

