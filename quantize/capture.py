@@ -278,7 +278,9 @@ def _layers(p: "_SharedPass", layers, start_at: int, start: float, checkpointer,
         if p.runlog is not None:
             p.runlog.layer(i).seconds = round(seconds, 4)
         if checkpointer is not None and checkpointer.due(i, total):
+            t1 = time.perf_counter()
             checkpointer.save(i, jobs, _to(p.inputs, "cpu"), {n: _to(c, "cpu") for n, c in p.chains.items()})
+            p.seconds["checkpoint"] += time.perf_counter() - t1  # every job's codes so far: grows with the variants
         if device.type == "cuda":
             release_cache(device)
     progress.close()
@@ -297,7 +299,7 @@ class _SharedPass:
         self.kwargs: list[dict] = []  # the current layer's
         self.chains: dict[int, list[torch.Tensor]] = {}
         self.notes: list[str] = []
-        self.seconds = {"to_device": 0.0, "fp_forward": 0.0, "jobs": 0.0}  # summed over layers
+        self.seconds = {"to_device": 0.0, "fp_forward": 0.0, "jobs": 0.0, "checkpoint": 0.0}  # summed over layers
 
     def restore(self, inputs: list, chains: dict) -> None:
         """Carry state from a checkpoint (in float32 if the saved pass had been upcast)."""
