@@ -1,6 +1,10 @@
 """One timed run of our pipeline (quantize.runner.run, eval off) for bench/gpu_bench.py, in its own process.
 
     python bench/bench_ours.py RECIPE.yaml --out-root DIR --json RESULT.json
+    python bench/bench_ours.py A.yaml B.yaml C.yaml --out-root DIR --json RESULT.json   # one shared pass
+
+Several recipes run as `pipeline compare` runs them (`quantize.runner.run_many`: one load, one calibration set,
+one layer-by-layer pass); the record then also holds each variant's share of the pass and its weights' sha256.
 
 Records the process's wall time (imports included), the run's `quantize.runlog.RunLog` (stage seconds:
 preflight/calibrate/load/quantize/export; per decoder layer its seconds, the pass's parts - device upload, FP
@@ -33,6 +37,7 @@ import torch  # noqa: E402
 
 from bench.versions import installed  # noqa: E402
 from quantize import distributed, runner  # noqa: E402
+from quantize.recipe import load_recipe  # noqa: E402
 from quantize.runlog import RunLog  # noqa: E402
 
 PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "pydantic", "compressed-tensors")
@@ -66,7 +71,7 @@ def gib(n: int | None) -> float | None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("recipe", help="recipe YAML path or name")
+    ap.add_argument("recipe", nargs="+", help="recipe YAML path or name; several: one shared pass")
     ap.add_argument("--out-root", required=True, help="parent directory of the artifact")
     ap.add_argument("--json", type=Path, required=True, help="where the record is written")
     args = ap.parse_args(argv)
@@ -79,7 +84,12 @@ def main(argv: list[str] | None = None) -> dict:
     runlog = RunLog()
     t1 = time.perf_counter()
     try:
-        art = runner.run(args.recipe, out_root=args.out_root, force=True, runlog=runlog, dist=dist)
+        if len(args.recipe) == 1:
+            arts = [runner.run(args.recipe[0], out_root=args.out_root, force=True, runlog=runlog, dist=dist)]
+        else:
+            arts = runner.run_many([load_recipe(r) for r in args.recipe], args.out_root, force=True, runlog=runlog,
+                                   dist=dist)
+        art = arts[0]
         run_s = time.perf_counter() - t1
         ranks = None
         if dist is not None:  # each rank's own peaks: rank 0's runlog holds only its own
@@ -106,9 +116,15 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "artifact_bytes": sum(f.stat().st_size for f in art.iterdir() if f.is_file()),
         "weights_sha256": {n: f["sha256"] for n, f in man["files"].items() if n.endswith(".safetensors")},
-        "runlog": runlog.to_dict(),
+        "runlog": runlog.to_dict(), "pass_seconds": man.get("pass_seconds"),
         "world_size": 1 if ranks is None else len(ranks), "ranks": ranks,
     }
+    if len(arts) > 1:  # a shared pass: every variant's share of it and its weights
+        mans = [json.loads((a / "manifest.json").read_text()) for a in arts]
+        record.update(recipes=[m["recipe"]["name"] for m in mans], artifacts=[str(a) for a in arts],
+                      shared_pass=man["shared_pass"],
+                      variants_weights_sha256={m["recipe"]["name"]: {n: f["sha256"] for n, f in m["files"].items()
+                                                                     if n.endswith(".safetensors")} for m in mans})
     if ranks is not None and cuda:  # the busiest GPU's peak
         record["peak_gpu_alloc_gib"] = max(r["peak_gpu_alloc_gib"] for r in ranks)
         record["peak_gpu_reserved_gib"] = max(r["peak_gpu_reserved_gib"] for r in ranks)

@@ -56,6 +56,28 @@ def _pair(method: str, ours: dict | None, peer: dict | None) -> list[str]:
     return lines
 
 
+GOALS = {"awq": 1.5, "gptq": 2.5}  # a comparison of three group sizes against one run's quantize stage
+
+
+def _compare(method: str, c: dict) -> list[str]:
+    """A shared pass of three group sizes against one run and against the three runs alone (`compare_summary`)."""
+    goal = GOALS.get(method)
+    ok = lambda cond: "met" if cond else "NOT met"  # noqa: E731
+    shares = ", ".join(f"{k.rsplit('-', 1)[-1]} {v:.1f}" for k, v in c["per_variant_s"].items())
+    alone = ", ".join(f"{k.rsplit('-', 1)[-1]} {v:.1f}" for k, v in c["alone_quantize_s"].items())
+    lines = [f"{method.upper()} comparison of {len(c['per_variant_s'])} group sizes in one pass (quantize stage)",
+             f"  shared pass {c['compare_quantize_s']:.1f} s (variants' shares: {shares}; pass parts: "
+             f"{c['pass_seconds']})",
+             f"  alone: {alone}; sum {c['separate_quantize_s']:.1f} s",
+             f"  pass / one run {c['compare_over_one_run']:.2f}x (goal <= {goal}x: "
+             f"{ok(goal is None or c['compare_over_one_run'] <= goal)}); pass / runs alone "
+             f"{c['compare_over_separate']:.2f}x (goal <= 1: {ok(c['compare_over_separate'] <= 1)})",
+             f"  processes: shared {c['compare_process_s']:.1f} s, alone {c['separate_process_s']:.1f} s in all",
+             f"  weights byte-identical to the run alone: "
+             + ", ".join(f"{k.rsplit('-', 1)[-1]} {'yes' if v else 'NO'}" for k, v in c["byte_identical"].items())]
+    return lines
+
+
 def _big(job: str, r: dict) -> list[str]:
     if not r["ok"]:
         return [f"{job}: FAILED (rc {r.get('rc')}); see log_tail in the JSON"]
@@ -106,6 +128,8 @@ def table(report: dict) -> str:
             lines += [""] + _pair(title, ours, peer)
             if ours:
                 lines += _first_layers(f"ours-{method}", ours)
+    for method, c in (report.get("compare") or {}).items():
+        lines += [""] + _compare(method, c)
     big = [(j, r) for j, r in runs.items() if "72b" in j]
     if big:
         lines.append("")

@@ -18,6 +18,14 @@ On the GPU host (offline; wheels collected by bench/peers/collect_wheels.sh into
    ours-awq-classic       AWQ with AutoAWQ's clip search and round-to-nearest (bench-awq-classic-g128.yaml: no
                           per-side clip, no scale refit): the shipped defaults' time against it
    ours-awq-gptq          AWQ's scales and clip grid, GPTQ's rounding (bench-awq-gptq-g128.yaml)
+   ours-awq-g32 / -g64 / -g128, ours-gptq-g32 / -g64 / -g128
+                          one group size alone (bench-{awq,gptq}-g128.yaml with q_group_size set)
+   ours-awq-compare / ours-gptq-compare
+                          g32 + g64 + g128 in one shared pass, as `pipeline compare` runs them (bench_ours.py
+                          with three recipes); with the three runs alone (aliases compare-awq, compare-gptq,
+                          compare) the record's "compare" says: the pass against one run's quantize stage and
+                          against the three runs' sum, each variant's share, its checkpoint seconds, and whether
+                          every variant's weights are byte-identical to its run alone
    llmc-awq / llmc-gptq   bench/peers/llmc_bench.py (oneshot, same calibration token blocks)
    ours-72b-awq / -gptq   our pipeline on --layers-72b layers of the Qwen2.5-72B shape, extrapolated to all
                           layers of that config (ours-72b selects both)
@@ -44,11 +52,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_table import table  # noqa: E402
+COMPARE_GROUPS = (32, 64, 128)  # the group sizes of the comparison jobs
+_ALONE = {m: tuple(f"ours-{m}-g{g}" for g in COMPARE_GROUPS) for m in ("awq", "gptq")}
 JOBS = ("ours-awq", "ours-gptq", "llmc-awq", "llmc-gptq", "ours-72b-awq", "ours-72b-gptq", "ours-gptq-onepass",
-        "ours-gptq-tf32", "ours-gptq-warm", "ours-awq-classic", "ours-awq-gptq")
-# ours first (ours-gptq compiles the Triton sweep on a fresh machine, ours-gptq-warm runs it from Triton's cache)
+        "ours-gptq-tf32", "ours-gptq-warm", "ours-awq-classic", "ours-awq-gptq", *_ALONE["awq"], *_ALONE["gptq"],
+        "ours-awq-compare", "ours-gptq-compare")
+# ours first (ours-gptq compiles the Triton sweep on a fresh machine, ours-gptq-warm runs it from Triton's cache);
+# a comparison after its runs alone, so neither side pays a compile the other does not
 ALIASES = {"ours-72b": ("ours-72b-awq", "ours-72b-gptq"),
-           "all-7b": ("ours-gptq", "ours-gptq-warm", "ours-gptq-onepass", "ours-awq", "llmc-gptq", "llmc-awq")}
+           "all-7b": ("ours-gptq", "ours-gptq-warm", "ours-gptq-onepass", "ours-awq", "llmc-gptq", "llmc-awq"),
+           "compare-awq": (*_ALONE["awq"], "ours-awq-compare"), "compare-gptq": (*_ALONE["gptq"], "ours-gptq-compare"),
+           "compare": (*_ALONE["gptq"], "ours-gptq-compare", *_ALONE["awq"], "ours-awq-compare")}
 LOG_TAIL_BYTES = 256 * 1024
 
 
@@ -155,14 +169,17 @@ def build(config: str, name: str, layers: int | None, args, env: dict) -> dict:
     return {"ok": True, **record}
 
 
-def write_recipe(method: str, model: str, args) -> Path:
-    """A recipe inheriting bench/recipes/bench-<method>-g128.yaml with this run's model, device and sizes."""
+def write_recipe(method: str, model: str, args, group: int | None = None) -> Path:
+    """A recipe inheriting bench/recipes/bench-<method>-g128.yaml with this run's model, device and sizes (and
+    group size: the recipe is then named ...-g<group>, the same for its run alone and in a comparison)."""
     base = ROOT / "bench" / "recipes" / f"bench-{method}-g128.yaml"
-    name = f"bench-{method}-{Path(model).name}"
+    name = f"bench-{method}-{Path(model).name}" + (f"-g{group}" if group else "")
     path = args.work / "recipes" / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     recipe = {"name": name, "base": str(base), "model": model, "device": args.device,
               "calibration": {"n_samples": args.n_samples, "seq_len": args.seq_len}}
+    if group:
+        recipe["q_group_size"] = group
     if args.batch_size is not None:
         recipe["batch_size"] = args.batch_size
     path.write_text(yaml.safe_dump(recipe))
@@ -171,6 +188,12 @@ def write_recipe(method: str, model: str, args) -> Path:
 
 def job_command(job: str, model: str, args) -> list[str]:
     method = job.split("-", 1)[1].removeprefix("72b-").removesuffix("-warm")  # awq | gptq | gptq-onepass | ...
+    groups = _groups(job)
+    if groups:  # a group size alone, or the comparison of all three in one pass
+        method = job.split("-")[1]
+        return [args.ours_python, str(ROOT / "bench" / "bench_ours.py"),
+                *(str(write_recipe(method, model, args, g)) for g in groups),
+                "--out-root", str(args.work / "artifacts"), *args.ours_extra.split()]
     if job.startswith("ours"):
         return [args.ours_python, str(ROOT / "bench" / "bench_ours.py"), str(write_recipe(method, model, args)),
                 "--out-root", str(args.work / "artifacts"), *args.ours_extra.split()]
@@ -178,6 +201,37 @@ def job_command(job: str, model: str, args) -> list[str]:
             "--model", model, "--out", str(args.work / "artifacts" / f"llmc-{method}-{Path(model).name}"),
             "--device", args.device, "--n-samples", str(args.n_samples), "--seq-len", str(args.seq_len),
             "--batch-size", str(args.peer_batch_size)]
+
+
+def _groups(job: str) -> tuple[int, ...]:
+    """The group sizes a comparison job (or one of its runs alone) quantizes; () for every other job."""
+    if job.endswith("-compare"):
+        return COMPARE_GROUPS
+    alone = [g for m, jobs in _ALONE.items() for j, g in zip(jobs, COMPARE_GROUPS) if j == job]
+    return tuple(alone)
+
+
+def compare_summary(runs: dict) -> dict:
+    """Each method's shared pass against its runs alone (the jobs' records) -> per method: the pass's quantize
+    stage, one run's (g128) and the three runs' sum, the ratios the goals name, each variant's share, the
+    checkpoint seconds, and per variant whether its weights equal its run alone's."""
+    out = {}
+    for method, alone_jobs in _ALONE.items():
+        shared = runs.get(f"ours-{method}-compare")
+        alone = [runs.get(j) for j in alone_jobs]
+        if not shared or not shared.get("ok") or not all(a and a.get("ok") for a in alone):
+            continue
+        q_alone = {a["recipe"]: a["stages_s"]["quantize"] for a in alone}
+        one, total, q = alone[-1]["stages_s"]["quantize"], sum(q_alone.values()), shared["stages_s"]["quantize"]
+        out[method] = {
+            "compare_quantize_s": q, "one_run_quantize_s": one, "separate_quantize_s": round(total, 3),
+            "compare_over_one_run": round(q / one, 3), "compare_over_separate": round(q / total, 3),
+            "alone_quantize_s": q_alone, "per_variant_s": shared["shared_pass"]["per_variant_s"],
+            "pass_seconds": shared.get("pass_seconds"),
+            "compare_process_s": shared["process_s"], "separate_process_s": round(sum(a["process_s"] for a in alone), 2),
+            "byte_identical": {a["recipe"]: shared["variants_weights_sha256"].get(a["recipe"]) == a["weights_sha256"]
+                               for a in alone}}
+    return out
 
 
 def extrapolate(record: dict, total_layers: int) -> dict:
@@ -246,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = json.loads((ROOT / "bench" / "configs" / "qwen2.5-72b" / "config.json").read_text())
             record["extrapolated"] = extrapolate(record, cfg["num_hidden_layers"])
         report["runs"][job] = record
+        report["compare"] = compare_summary(report["runs"])
         save()
     return finish(report, table(report), save, all(r["ok"] for r in report["runs"].values()))
 

@@ -121,6 +121,8 @@ def search_scales(
     x_loss: torch.Tensor | None = None,
     grid_batch: int = 1,
     spread: Callable[[Callable[[list], list[float]], list, int], list[float]] | None = None,
+    reference: list[torch.Tensor] | None = None,
+    gram: torch.Tensor | None = None,
 ) -> ScaleSearch:
     """x: [tokens, in] shared input of `linears` -> best scales [in] (fp32), ratio and losses.
 
@@ -134,6 +136,8 @@ def search_scales(
     spread(losses_of, candidates, chunk) -> losses of every candidate, in order: how a round's candidates are
     evaluated (default: all here). Several processes may each take a share of whole chunks of `chunk`
     candidates (the batches one matmul evaluates), so every loss is computed as it would be here.
+    reference: run_inspect()'s output with the weights as they are, gram: `loss_gram(x_loss)`, when the caller
+    has them (several searches on the same inputs and weights need them once).
     Weights are restored before returning.
     """
     x_loss = x if x_loss is None else x_loss
@@ -145,9 +149,7 @@ def search_scales(
     originals = [fc.weight.detach().clone() for fc in linears]
     if run_inspect is None:
         assert len(linears) == 1, "the single-linear loss needs a single linear"
-        gram = None  # the Gram form pays only where the direct product would also run in fp32 (the CPU)
-        if x_loss.dtype == torch.float32 and x_loss.shape[0] >= x_loss.shape[1]:
-            gram = _gram(x_loss)  # [in, in]
+        gram = loss_gram(x_loss) if gram is None else gram  # [in, in] or None
 
         def losses_of(cands: list[torch.Tensor]) -> list[float]:
             out, w0 = [], originals[0]
@@ -157,7 +159,7 @@ def search_scales(
                 out += _linear_losses(deltas, x_loss, gram)
             return out
     else:
-        reference = run_inspect()
+        reference = run_inspect() if reference is None else reference
         n_out = sum(r.numel() for r in reference)
 
         def losses_of(cands: list[torch.Tensor]) -> list[float]:
@@ -192,6 +194,14 @@ def search_scales(
     if best_i is None:  # every loss was NaN/inf
         raise FloatingPointError("AWQ scale search produced no finite loss (NaN/inf in activations or weights)")
     return ScaleSearch(_duo_scales(x_mean, w_mean, best_i / n_grid, duo_scaling), best_i / n_grid, losses)
+
+
+def loss_gram(x_loss: torch.Tensor) -> torch.Tensor | None:
+    """x_loss: [tokens, in] -> XᵀX [in, in] (fp32) for a single linear's search loss, or None where the direct
+    product X Δwᵀ is used: the Gram form pays only where that product would also run in fp32 (the CPU)."""
+    if x_loss.dtype == torch.float32 and x_loss.shape[0] >= x_loss.shape[1]:
+        return _gram(x_loss)
+    return None
 
 
 def apply_scales(prev: nn.Module, linears: Sequence[nn.Linear], s: torch.Tensor, norm_offset: float = 0.0) -> None:

@@ -39,6 +39,10 @@ class LayerData:
     inputs: list[torch.Tensor]  # per batch: [b, seq, hidden], the layer's inputs
     kwargs: list[dict]  # per batch: keyword arguments the layer is called with (positions, mask)
     features: dict[str, torch.Tensor] = field(default_factory=dict)  # linear name -> its input [tokens, in]
+    # what a job computed from the unmodified layer and the FP inputs alone, kept for the other jobs of the layer
+    # that see the same (propagate "fp"): name -> value, the name holding everything else the value depends on.
+    # None where no other job will ask (one job, or a job with its own chain): nothing is kept.
+    shared: dict | None = None
 
 
 def _map(obj, fn):
@@ -278,7 +282,9 @@ def _layers(p: "_SharedPass", layers, start_at: int, start: float, checkpointer,
         if p.runlog is not None:
             p.runlog.layer(i).seconds = round(seconds, 4)
         if checkpointer is not None and checkpointer.due(i, total):
+            t1 = time.perf_counter()
             checkpointer.save(i, jobs, _to(p.inputs, "cpu"), {n: _to(c, "cpu") for n, c in p.chains.items()})
+            p.seconds["checkpoint"] += time.perf_counter() - t1  # every job's codes so far: grows with the variants
         if device.type == "cuda":
             release_cache(device)
     progress.close()
@@ -297,7 +303,7 @@ class _SharedPass:
         self.kwargs: list[dict] = []  # the current layer's
         self.chains: dict[int, list[torch.Tensor]] = {}
         self.notes: list[str] = []
-        self.seconds = {"to_device": 0.0, "fp_forward": 0.0, "jobs": 0.0}  # summed over layers
+        self.seconds = {"to_device": 0.0, "fp_forward": 0.0, "jobs": 0.0, "checkpoint": 0.0}  # summed over layers
 
     def restore(self, inputs: list, chains: dict) -> None:
         """Carry state from a checkpoint (in float32 if the saved pass had been upcast)."""
@@ -358,7 +364,7 @@ class _SharedPass:
         self.seconds["to_device"] += t1 - t0
         jobs = self.jobs
         fp_jobs = [j for j in jobs if j.propagate == "fp"]
-        fp_outs, fp_feats = None, {}
+        fp_outs, fp_feats, fp_shared = None, {}, {}
         if fp_jobs:
             fp_outs, fp_feats = self._fp_forward(i, layer, self.names if any(j.wants_features for j in fp_jobs) else [])
         t2 = self._clock()
@@ -374,14 +380,15 @@ class _SharedPass:
             elif job.wants_features:
                 _, feats = self._forward(layer, self.chains[n], self.names)
             work = layer if len(jobs) == 1 else copy.deepcopy(layer)
-            job.process(LayerData(i, work, self.chains.get(n, self.inputs), self.kwargs, feats))
+            job.process(LayerData(i, work, self.chains.get(n, self.inputs), self.kwargs, feats,
+                                  fp_shared if job.propagate == "fp" and len(fp_jobs) > 1 else None))
             del feats
             if job.propagate == "quantized":
                 self._advance_chain(i, n, work)
             job.keep(i, work)
             del work
             job.seconds += time.perf_counter() - tj
-        del fp_feats
+        del fp_feats, fp_shared
         t3 = self._clock()
         self.seconds["jobs"] += t3 - t2
         log.debug("layer %d parts: to_device %.4f s, fp_forward %.4f s, jobs %.4f s", i + 1, t1 - t0, t2 - t1,

@@ -52,3 +52,19 @@ def test_record_is_the_runs_own(ours_record, tiny_qwen2):
     blocks = calib.make_samples(calib.load_text("groups-merged").documents, tok, 16, 64, 0)
     assert rec["calibration"]["samples_sha256"] == hashlib.sha256(blocks.numpy().tobytes()).hexdigest()
     json.dumps(rec)  # what gpu_bench writes
+
+
+def test_shared_pass_record(tiny_qwen2, tmp_path):
+    """Several recipes: one shared pass (as `pipeline compare`), each variant's share and weights recorded."""
+    from bench import bench_ours
+    from tests.conftest import tiny_recipe
+
+    recipes = [str(tiny_recipe(tmp_path, tiny_qwen2, name=f"bench-tiny-gptq-g{g}", method="gptq", zero_point=False,
+                               format="gptq", q_group_size=g)) for g in (32, 64)]
+    rec = bench_ours.main([*recipes, "--out-root", str(tmp_path / "a"), "--json", str(tmp_path / "r.json")])
+    names = ["bench-tiny-gptq-g32", "bench-tiny-gptq-g64"]
+    assert rec["recipes"] == names and set(rec["shared_pass"]["per_variant_s"]) == set(names)
+    assert all(v > 0 for v in rec["shared_pass"]["per_variant_s"].values())
+    shas = [rec["variants_weights_sha256"][n]["model.safetensors"] for n in names]
+    assert len(set(shas)) == 2 and rec["weights_sha256"]["model.safetensors"] == shas[0]
+    assert set(rec["pass_seconds"]) == {"to_device", "fp_forward", "jobs", "checkpoint"}

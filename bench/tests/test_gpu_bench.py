@@ -57,3 +57,38 @@ def test_shapes_built_for_the_benchmark():
     assert (big.num_hidden_layers, big.hidden_size, big.intermediate_size) == (2, 8192, 29568)
     tiny = shaped_config(configs / "qwen2.5-7b", None, tiny=True)
     assert (tiny.num_hidden_layers, tiny.hidden_size, tiny.vocab_size) == (2, 256, 49152)
+
+
+def test_comparison_jobs_and_summary(tmp_path):
+    """compare-awq: the three group sizes alone, then all three in one pass under the same recipe names; the
+    summary sets the pass against one run (g128) and the sum of the runs alone, and checks every variant's
+    weights against its run alone."""
+    args = gpu_bench.parse_args(["--only", "compare-awq", "--work", str(tmp_path)])
+    assert args.jobs == ["ours-awq-g32", "ours-awq-g64", "ours-awq-g128", "ours-awq-compare"]
+    cmd = gpu_bench.job_command("ours-awq-compare", "/m", args)
+    written = [yaml.safe_load(Path(p).read_text()) for p in cmd[2:5]]
+    assert [w["q_group_size"] for w in written] == [32, 64, 128] and cmd[5] == "--out-root"
+    alone = {j: yaml.safe_load(Path(gpu_bench.job_command(j, "/m", args)[2]).read_text())
+             for j in args.jobs[:3]}
+    assert [a["name"] for a in alone.values()] == [w["name"] for w in written]
+    assert all(a["base"].endswith("bench-awq-g128.yaml") for a in alone.values())
+
+    def run(name, q, sha):
+        return {"ok": True, "recipe": name, "stages_s": {"quantize": q}, "process_s": q + 10,
+                "weights_sha256": {"model.safetensors": sha}}
+    names = [w["name"] for w in written]
+    runs = {j: run(n, q, n) for j, n, q in zip(args.jobs, names, (40.0, 38.0, 36.0))}
+    runs["ours-awq-compare"] = {"ok": True, "stages_s": {"quantize": 120.0}, "process_s": 140.0,
+                                "pass_seconds": {"jobs": 110.0, "checkpoint": 5.0},
+                                "shared_pass": {"per_variant_s": {n: 36.0 for n in names}},
+                                "variants_weights_sha256": {n: {"model.safetensors": n} for n in names[:2]}
+                                | {names[2]: {"model.safetensors": "other"}}}
+    c = gpu_bench.compare_summary(runs)["awq"]
+    assert c["one_run_quantize_s"] == 36.0 and c["separate_quantize_s"] == 114.0
+    assert c["compare_over_one_run"] == round(120 / 36, 3) and c["compare_over_separate"] == round(120 / 114, 3)
+    assert list(c["byte_identical"].values()) == [True, True, False]
+    assert "gptq" not in gpu_bench.compare_summary(runs)  # no GPTQ jobs ran
+    report = {"date": "d", "device": "cpu", "calibration": {"n_samples": 16, "seq_len": 64}, "builds": {},
+              "runs": runs, "compare": {"awq": c}}
+    text = table(report)
+    assert "pass / one run 3.33x (goal <= 1.5x: NOT met)" in text and "g128 NO" in text

@@ -32,9 +32,11 @@ def _search_stats(r) -> dict:
 
 
 def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], recipe, spec: awq.QSpec,
-                  dist: Dist | None = None):
+                  dist: Dist | None = None, shared: dict | None = None):
     """Scale search for one scale group of data.layer -> awq.ScaleSearch. dist: the candidate ratios of each round
-    are shared out over the ranks (`Dist.spread`), each loss computed whole on one rank."""
+    are shared out over the ranks (`Dist.spread`), each loss computed whole on one rank. shared: `LayerData.shared`
+    where data.layer is still unmodified: the inspected block's FP output (or the single linear's Gram matrix) on
+    the chosen batches is computed once for every variant of a comparison, whatever its group size."""
     opts, fast = recipe.awq, recipe.advanced.awq
     layer = data.layer
     linears = [layer.get_submodule(n) for n in g.linears]
@@ -52,10 +54,17 @@ def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], 
     else:
         def run_inspect():
             return [first_output(block(xi)) for xi in xb]
+    reference = gram = None
     with torch.no_grad():
+        if shared is not None:  # the name holds what the value depends on besides the shared inputs
+            weights = next((linears[0] if block is None else block).parameters()).dtype
+            key = ("awq.search", g.inspect or g.linears[0], tuple(chosen), x.dtype, weights)
+            if key not in shared:
+                shared[key] = awq.loss_gram(x_loss) if run_inspect is None else run_inspect()
+            gram, reference = (shared[key], None) if run_inspect is None else (None, shared[key])
         return awq.search_scales(x, linears, quantized, run_inspect, spec, opts.n_grid, opts.duo_scaling,
                                  coarse_step=fast.coarse_step, x_loss=x_loss, grid_batch=fast.grid_batch,
-                                 spread=None if dist is None else dist.spread)
+                                 spread=None if dist is None else dist.spread, reference=reference, gram=gram)
 
 
 def _clip_layer(data: LayerData, arch: Arch, local: set[str], opts, spec: awq.QSpec,
@@ -229,7 +238,7 @@ def search_layer_scales(data: LayerData, arch: Arch, recipe, local: set[str],
         if not any(quantized):
             continue
         t = _clock(device)
-        r = _search_group(data, g, quantized, chosen_batches, recipe, spec, dist)
+        r = _search_group(data, g, quantized, chosen_batches, recipe, spec, dist, data.shared)
         stats[g.prev] = {**_search_stats(r), "seconds": round(_clock(device) - t, 4)}
         chosen.append((g, r.scales))
     return chosen, stats

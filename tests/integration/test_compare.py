@@ -47,6 +47,19 @@ def test_shared_pass_writes_the_same_bytes_as_separate_runs(tiny_qwen2, tmp_path
     assert runlog.peak_allocated_bytes is None and runlog.device["cuda_allocator"] is None  # CPU
 
 
+def test_awq_variants_share_what_their_group_size_does_not_change(tiny_qwen2, tmp_path, monkeypatch):
+    """Two AWQ group sizes in one pass compute the search's group-size-free parts (the inspected blocks' FP
+    outputs, a single linear's Gram matrix) once per layer, not once per variant."""
+    from quantize import awq
+
+    calls = []
+    real = awq.loss_gram
+    monkeypatch.setattr(awq, "loss_gram", lambda x: calls.append(x.shape) or real(x))
+    recipes = [load_recipe(tiny_recipe(tmp_path, tiny_qwen2, name=f"s-awq-g{g}", q_group_size=g)) for g in (32, 64)]
+    runner.run_many(recipes, tmp_path / "shared")
+    assert len(calls) == 2  # down_proj's XᵀX in each of the 2 layers (o_proj is not square here: no search)
+
+
 def test_recipes_that_cannot_share_are_refused_together(tiny_qwen2, tiny_llama, tmp_path):
     a = load_recipe(tiny_recipe(tmp_path, tiny_qwen2, name="a"))
     b = load_recipe(tiny_recipe(tmp_path, tiny_llama, name="b"))
