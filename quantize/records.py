@@ -2,10 +2,10 @@
 by quantize) and the eval report (report.json, written by eval), read by the model card, the registry, compare
 and the eval through attributes rather than string keys.
 
-The JSON keeps the shape it had before these classes existed, key for key and in the same order, so artifacts
-already written (and registered) read and verify unchanged; `to_json()` of a record read from a file is that
-file's object again. No schema version: the shape did not change. A change of shape would add one, with a reader
-for the shape before it.
+The JSON is the shape the artifacts on disk and in registries hold, key for key and in the same order, so they
+read and verify as they are; `to_json()` of a record read from a file is that file's object again
+(tests/golden/records pins it). No schema version field: a change of shape adds one, with a reader for the shape
+before it.
 
 Unknown keys: every record keeps them (`extra="allow"`) and writes them back where they stood. An artifact
 written by an older or a newer version must still read, verify and register here: refusing a key this version
@@ -209,7 +209,7 @@ class Manifest(Record):
     device: str | None = None
     compute_dtype: str | None = None
     cuda_allocator: Any = None
-    versions: dict[str, str | None] | None = None
+    versions: dict[str, Any] | None = None  # package -> version where it was quantized
     git: dict[str, Any] | None = None
     timings_s: dict[str, Num] | None = None
     pass_seconds: dict[str, Num] | None = None
