@@ -36,7 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from bench.versions import installed  # noqa: E402
-from quantize import distributed, runner  # noqa: E402
+from quantize import distributed, manifest, runner  # noqa: E402
 from quantize.recipe import load_recipe  # noqa: E402
 from quantize.runlog import RunLog  # noqa: E402
 
@@ -102,29 +102,29 @@ def main(argv: list[str] | None = None) -> dict:
                 return {}
     finally:
         distributed.shutdown()
-    man = json.loads((art / "manifest.json").read_text())
+    man = manifest.read(art)
     record = {
-        "runner": "ours", "recipe": man["recipe"]["name"], "method": man["recipe"]["method"],
-        "artifact": str(art), "device": man["device"], "compute_dtype": man["compute_dtype"],
+        "runner": "ours", "recipe": man.recipe.name, "method": man.recipe.method,
+        "artifact": str(art), "device": man.device, "compute_dtype": man.compute_dtype,
         "gpu": torch.cuda.get_device_name(0) if cuda else None, "versions": installed(PACKAGES),
         "gpu_total_gib": gib(torch.cuda.get_device_properties(0).total_memory) if cuda else None,
-        "calibration": man["calibration"], "cuda_allocator": man.get("cuda_allocator"),
+        "calibration": man.calibration.to_json() if man.calibration else None, "cuda_allocator": man.cuda_allocator,
         "stages_s": runlog.stages, "run_s": round(run_s, 3), "process_s": round(time.perf_counter() - T0, 2),
         "per_layer": per_layer(runlog), "method_seconds": method_seconds(runlog),
         "peak_gpu_alloc_gib": gib(runlog.peak_allocated_bytes),
         "peak_gpu_reserved_gib": gib(runlog.peak_reserved_bytes),
         "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "artifact_bytes": sum(f.stat().st_size for f in art.iterdir() if f.is_file()),
-        "weights_sha256": {n: f["sha256"] for n, f in man["files"].items() if n.endswith(".safetensors")},
-        "runlog": runlog.to_dict(), "pass_seconds": man.get("pass_seconds"),
+        "weights_sha256": {n: f.sha256 for n, f in man.files.items() if n.endswith(".safetensors")},
+        "runlog": runlog.to_dict(), "pass_seconds": man.pass_seconds,
         "world_size": 1 if ranks is None else len(ranks), "ranks": ranks,
     }
     if len(arts) > 1:  # a shared pass: every variant's share of it and its weights
-        mans = [json.loads((a / "manifest.json").read_text()) for a in arts]
-        record.update(recipes=[m["recipe"]["name"] for m in mans], artifacts=[str(a) for a in arts],
-                      shared_pass=man["shared_pass"],
-                      variants_weights_sha256={m["recipe"]["name"]: {n: f["sha256"] for n, f in m["files"].items()
-                                                                     if n.endswith(".safetensors")} for m in mans})
+        mans = [manifest.read(a) for a in arts]
+        record.update(recipes=[m.recipe.name for m in mans], artifacts=[str(a) for a in arts],
+                      shared_pass=man.shared_pass,
+                      variants_weights_sha256={m.recipe.name: {n: f.sha256 for n, f in m.files.items()
+                                                               if n.endswith(".safetensors")} for m in mans})
     if ranks is not None and cuda:  # the busiest GPU's peak
         record["peak_gpu_alloc_gib"] = max(r["peak_gpu_alloc_gib"] for r in ranks)
         record["peak_gpu_reserved_gib"] = max(r["peak_gpu_reserved_gib"] for r in ranks)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from quantize import serve_config, source
 from quantize.errors import run_main
+from quantize import manifest
 from quantize.manifest import MANIFEST
 
 from .serve import INT4_MISSING, ROOT, Server, ServeError
@@ -130,12 +131,14 @@ def bench(artifact: Path, n: int, input_len: int, output_len: int, levels: list[
           timeout: float = 900) -> dict:
     """Both sides at every level -> the report (also written next to the artifact as .json, .md, .png)."""
     artifact = Path(artifact).absolute()  # a linked artifact's report stays beside the link
-    m = json.loads((artifact / MANIFEST).read_text())
+    m = manifest.read(artifact)
+    if m is None:
+        raise ServeError(f"{artifact} is not an artifact directory (no {MANIFEST}); run `make quantize` first")
     cfg = serve_config.read(artifact)
     if cfg is None:
         raise ServeError(f"{artifact} has no {serve_config.SERVE_CONFIG}: re-run `make quantize` with this version")
-    levels = levels or list(m["recipe"].get("serve", {}).get("concurrency") or (1, 8, 32))
-    reference = source.resolve(m["model"]["spec"]).path  # the FP16 base (a GGUF converted once, cached)
+    levels = levels or list((m.recipe.serve or {}).get("concurrency") or (1, 8, 32))
+    reference = source.resolve(m.model.spec).path  # the FP16 base (a GGUF converted once, cached)
     ref_flags = {k: v for k, v in cfg.items() if k != "quantization"}
     ref_flags["served-model-name"] = f"{cfg['served-model-name']}-fp16"
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as w:

@@ -1,5 +1,5 @@
-"""The eval stage: perplexity FP16 vs quantized, vLLM smoke-load, optional lm-eval -> the report (a dict) and
-its markdown. The pipeline writes them into the artifact.
+"""The eval stage: perplexity FP16 vs quantized, vLLM smoke-load, optional lm-eval -> the report (a
+`quantize.records.Report`) and its markdown. The pipeline writes them into the artifact.
 
 Works on any vLLM-loadable directory (ours or another tool's): the quantized model is decoded from the
 artifact's packed tensors; the FP16 reference is the base model (from our manifest, or given).
@@ -22,6 +22,7 @@ import torch
 
 from quantize import modelcard, output_error, serve_config, source
 from quantize import manifest as manifest_file
+from quantize.records import Distribution, LmEval, Manifest, Report
 
 from . import distribution, lmeval, refcache
 from .artifact import load_dequantized
@@ -85,10 +86,10 @@ def _lm_eval_report(plan: dict | None, ref: dict | None, quant: dict | None, art
     return out
 
 
-def eval_device(manifest: dict) -> torch.device:
+def eval_device(manifest: Manifest | None) -> torch.device:
     """Where the eval computes: where the artifact was quantized (the manifest's `device`) when that device is
     here; an artifact with no manifest, on CUDA when torch sees it, else on the CPU."""
-    want = manifest.get("device")
+    want = manifest.device if manifest is not None else None
     if want is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if want.startswith("cuda") and not torch.cuda.is_available():
@@ -97,9 +98,9 @@ def eval_device(manifest: dict) -> torch.device:
     return torch.device(want)
 
 
-def served_dtype(artifact: Path, manifest: dict) -> str:
+def served_dtype(artifact: Path, manifest: Manifest | None) -> str:
     """The artifact's 16-bit dtype (the recipe's `dtype`; else config.json's): what vLLM and a GPU eval use."""
-    dtype = (manifest.get("recipe") or {}).get("dtype")
+    dtype = manifest.recipe.dtype if manifest is not None else None
     if dtype is None:
         config = json.loads((artifact / "config.json").read_text())
         dtype = str(config.get("dtype") or config.get("torch_dtype") or "float16")
@@ -194,7 +195,7 @@ def _distribution_gates(dist: dict | None, eopts) -> list[str]:
     return out
 
 
-def _context(artifact: Path, base_spec: str, manifest: dict, compute_dtype, cache: dict | None) -> dict:
+def _context(artifact: Path, base_spec: str, manifest: Manifest | None, compute_dtype, cache: dict | None) -> dict:
     """What every step of one eval shares (and a comparison's variants of one base model reuse): the base
     model's source, tokenizer and files' sha256, the device, dtype and batch."""
     device = eval_device(manifest)
@@ -208,7 +209,7 @@ def _context(artifact: Path, base_spec: str, manifest: dict, compute_dtype, cach
 
 
 def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.dtype | None = None,
-             cache: dict | None = None) -> dict:
+             cache: dict | None = None) -> Report:
     """Run the whole eval stage on `artifact` -> the report (`pipeline.stages.evaluate` writes it into the artifact).
 
     On the device that quantized it (CUDA: the artifact's 16-bit dtype; CPU: float32), one model on the device
@@ -219,7 +220,7 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     """
     artifact = Path(artifact)
     manifest = manifest_file.read(artifact)
-    base_spec = base_spec or manifest.get("model", {}).get("spec")
+    base_spec = base_spec or (manifest.model.spec if manifest is not None else None)
     if not base_spec:
         raise EvalInputError(f"{artifact}: no manifest names its base model; pass --base <model spec>")
     peak_reset = _reset_host_peak()
@@ -296,33 +297,33 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
               "host_rss_peak_bytes": _host_peak_bytes(),
               "host_rss_peak_scope": "eval stage" if peak_reset else "process lifetime",
               "device_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
-    report = {
+    report = Report.model_validate({  # the keys in the order report.json has always listed them
         "artifact": str(artifact), "manifest_verified": verified, "files_scored": manifest_file.files_fingerprint(manifest),
         "base_model": base_spec,
         "reference_dtype": scored["dtype"], "scored_on": scored,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
         "perplexity": ppl, "distribution": dist, "gates": gates,
-        "output_error_worst": output_error.worst(manifest.get("output_error") or {}),
+        "output_error_worst": output_error.worst((manifest.output_error if manifest else None) or {}),
         "vllm_smoke": smoke_res, "lm_eval": lm,
-        "quantize_timings_s": manifest.get("timings_s"), "eval_timings_s": timings, "passed": passed,
-    }
-    return report
+        "quantize_timings_s": manifest.timings_s if manifest else None, "eval_timings_s": timings, "passed": passed,
+    })
+    return report.written()
 
 
-def _distribution_md(d: dict | None) -> list[str]:
+def _distribution_md(d: Distribution | None) -> list[str]:
     """The KL / top-1 section of the report."""
     if not d:
         return []
     return ["## Distance from the reference's next-token distribution", "",
-            f"Per predicted token of the perplexity windows ({d['tokens']} tokens, from the same forwards): "
-            f"KL(reference || quantized) in nats, over the reference's top-{d['k']} tokens plus one bucket for the "
-            f"rest (a lower bound of the full-vocabulary KL; the reference's tokens outside its top {d['k']} hold "
-            f"{d['tail_mass_mean']:.3f} of its mass on average, and the full KL exceeds this one by at most "
-            f"{d['kl_gap_bound_mean']:.3f} per token on average), and top-1 agreement (exact).", "",
+            f"Per predicted token of the perplexity windows ({d.tokens} tokens, from the same forwards): "
+            f"KL(reference || quantized) in nats, over the reference's top-{d.k} tokens plus one bucket for the "
+            f"rest (a lower bound of the full-vocabulary KL; the reference's tokens outside its top {d.k} hold "
+            f"{d.tail_mass_mean:.3f} of its mass on average, and the full KL exceeds this one by at most "
+            f"{d.kl_gap_bound_mean:.3f} per token on average), and top-1 agreement (exact).", "",
             "| KL mean | KL median | KL p99 | KL max | top-1 agreement |", "|---:|---:|---:|---:|---:|",
-            f"| {d['kl_mean']:.4f} | {d['kl_median']:.4f} | {d['kl_p99']:.4f} | {d['kl_max']:.3f} | {d['top1']:.4f} |",
-            "", "Worst windows: " + ", ".join(f"#{w['window']} (KL {w['kl_mean']:.4f}, top-1 {w['top1']:.3f})"
-                                              for w in d["worst_windows"]), ""]
+            f"| {d.kl_mean:.4f} | {d.kl_median:.4f} | {d.kl_p99:.4f} | {d.kl_max:.3f} | {d.top1:.4f} |",
+            "", "Worst windows: " + ", ".join(f"#{w.window} (KL {w.kl_mean:.4f}, top-1 {w.top1:.3f})"
+                                              for w in d.worst_windows), ""]
 
 
 def _errors_md(top: list | None) -> list[str]:
@@ -333,32 +334,33 @@ def _errors_md(top: list | None) -> list[str]:
             "Relative output error ||X(W-Q)ᵀ|| / ||XWᵀ|| of each linear on its calibration inputs, recorded as "
             "the method ran (all of them: `manifest.json`, `output_error`). The ten largest:", "",
             "| layer | linear | error |", "|---:|---|---:|",
-            *[f"| {x['layer']} | {x['linear']} | {x['error']:.4f} |" for x in top], ""]
+            *[f"| {x.layer} | {x.linear} | {x.error:.4f} |" for x in top], ""]
 
 
-def _lm_eval_md(lm: dict) -> list[str]:
+def _lm_eval_md(lm: LmEval | None) -> list[str]:
     """lm-eval's scores of both models and their difference, the vLLM backend's, and the tasks that did not run."""
-    if "skipped" in lm:
-        return [f"Skipped: {lm['skipped']}"]
-    lines = [f"Tasks {', '.join(lm['tasks'])}" + (f", {lm['limit']} documents each" if lm.get("limit") else "")
+    if lm is None or lm.skipped is not None:
+        return [f"Skipped: {lm.skipped if lm is not None else 'not recorded'}"]
+    cached = lm.reference is not None and lm.reference.cached
+    lines = [f"Tasks {', '.join(lm.tasks or [])}" + (f", {lm.limit} documents each" if lm.limit else "")
              + "; scored by lm-eval on the models this eval holds (reference"
-             + (" from the cache" if (lm.get("reference") or {}).get("cached") else "") + ").", ""]
-    if lm.get("quantized"):
+             + (" from the cache" if cached else "") + ").", ""]
+    if lm.quantized:
         lines += ["| task | metric | FP16 (base) | quantized | Δ | quantized, vLLM backend |",
                   "|---|---|---:|---:|---:|---:|"]
-        vllm = (lm.get("vllm") or {}).get("scores") or {}
-        for task, metrics in lm["quantized"]["scores"].items():
+        vllm = lm.vllm.scores if lm.vllm else {}
+        for task, metrics in lm.quantized.scores.items():
             for m, v in metrics.items():
-                ref = lm["reference"]["scores"].get(task, {}).get(m)
+                ref = lm.reference.scores.get(task, {}).get(m)
                 vv = vllm.get(task, {}).get(m)
-                diff = lm["difference"][task].get(m)
+                diff = lm.difference[task].get(m)
                 lines.append(f"| {task} | {m} | {_num(ref)} | {_num(v)} | {_num(diff, '+.4f')} | {_num(vv)} |")
-    v = lm.get("vllm") or {}
-    if "skipped" in v:
-        lines += ["", f"lm-eval's vLLM backend: skipped ({v['skipped']})."]
-    elif "error" in v:
-        lines += ["", f"lm-eval's vLLM backend failed: {v['error']}"]
-    for task, why in (lm.get("not_run") or {}).items():
+    v = lm.vllm
+    if v is not None and v.skipped is not None:
+        lines += ["", f"lm-eval's vLLM backend: skipped ({v.skipped})."]
+    elif v is not None and v.error is not None:
+        lines += ["", f"lm-eval's vLLM backend failed: {v.error}"]
+    for task, why in lm.not_run.items():
         lines += ["", f"- `{task}`: {why}"]
     return lines
 
@@ -367,44 +369,45 @@ def _num(v, spec: str = ".4f") -> str:
     return "n/a" if v is None else format(v, spec)
 
 
-def render_markdown(r: dict) -> str:
-    p, s = r["perplexity"], r["vllm_smoke"]
+def render_markdown(r: Report) -> str:
+    p, s, g = r.perplexity, r.vllm_smoke, r.gates
     lines = [
-        f"# Evaluation report: `{Path(r['artifact']).name}`", "",
-        f"Base model `{r['base_model']}` · {r['date']} · {r['machine']} · **{'PASSED' if r['passed'] else 'FAILED'}**",
+        f"# Evaluation report: `{Path(r.artifact).name}`", "",
+        f"Base model `{r.base_model}` · {r.date} · {r.machine} · **{'PASSED' if r.passed else 'FAILED'}**",
         "", "## Perplexity", "",
-        f"Protocol: {modelcard.protocol_sentence(p['protocol'])}; {modelcard.scored_sentence(r)}.",
+        f"Protocol: {modelcard.protocol_sentence(p.protocol)}; {modelcard.scored_sentence(r)}.",
         "",
         "| model | perplexity | Δ | Δ % |", "|---|---:|---:|---:|",
-        f"| FP16 (base) | {p['fp16']['ppl']:.4f} | | |",
-        f"| quantized (decoded from the artifact) | {p['quantized']['ppl']:.4f} | {p['delta']:+.4f} | "
-        f"{p['delta_pct']:+.2f} |", "",
-        f"Gates: max Δ {r['gates']['max_ppl_delta']}, max Δ% {r['gates']['max_ppl_delta_pct']}, max KL "
-        f"{r['gates'].get('max_kl')}, min top-1 {r['gates'].get('min_top1')}: "
-        + ("passed" if r["gates"]["passed"] else "FAILED: " + "; ".join(r["gates"]["failures"])), "",
-        *_distribution_md(r.get("distribution")), *_errors_md(r.get("output_error_worst")),
+        f"| FP16 (base) | {p.fp16.ppl:.4f} | | |",
+        f"| quantized (decoded from the artifact) | {p.quantized.ppl:.4f} | {p.delta:+.4f} | "
+        f"{p.delta_pct:+.2f} |", "",
+        f"Gates: max Δ {g.max_ppl_delta}, max Δ% {g.max_ppl_delta_pct}, max KL "
+        f"{g.max_kl}, min top-1 {g.min_top1}: "
+        + ("passed" if g.passed else "FAILED: " + "; ".join(g.failures)), "",
+        *_distribution_md(r.distribution), *_errors_md(r.output_error_worst),
         "## vLLM smoke-load", "",
     ]
-    if "skipped" in s:
-        lines.append(f"Skipped: {s['skipped']}" + (f" (it would ask on `{s['endpoint']}`)" if s.get("endpoint") else ""))
+    if s.skipped is not None:
+        lines.append(f"Skipped: {s.skipped}" + (f" (it would ask on `{s.endpoint}`)" if s.endpoint else ""))
     else:
-        lines += [f"Result: **{'passed' if s['passed'] else 'FAILED'}**; checks: "
-                  + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in s["checks"].items())]
-        if s.get("served_name"):
-            answer = s.get("answer") or {}
-            lines += ["", f"Served by vLLM's OpenAI-compatible server as `{s['served_name']}` (start-up {s.get('load_s')} s); "
-                      f"asked on `{s.get('endpoint')}` ({s.get('endpoint_why')}): {json.dumps(answer.get('prompt'))} "
-                      f"-> {json.dumps(answer.get('content'))}; a wrong model name: {s.get('wrong_name', 'not tried')}"]
-        if s["checks"].get("loaded"):
-            lines += [f"Method `{s.get('method')}` (artifact declares `{s['expected_method']}`); kernels: "
-                      f"{', '.join(s.get('kernels') or ['not logged'])}; load {s.get('load_s')} s; "
-                      f"{s.get('tokens_per_s')} generated tokens/s; teacher-forced agreement with FP16: "
-                      f"{s.get('token_agreement')}", "", "| prompt | completion |", "|---|---|"]
-            for x in s.get("samples", []):
+        lines += [f"Result: **{'passed' if s.passed else 'FAILED'}**; checks: "
+                  + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in s.checks.items())]
+        if s.served_name:
+            answer = s.answer or {}
+            lines += ["", f"Served by vLLM's OpenAI-compatible server as `{s.served_name}` (start-up {s.load_s} s); "
+                      f"asked on `{s.endpoint}` ({s.endpoint_why}): {json.dumps(answer.get('prompt'))} "
+                      f"-> {json.dumps(answer.get('content'))}; a wrong model name: "
+                      f"{s.wrong_name if s.wrong_name is not None else 'not tried'}"]
+        if s.checks.get("loaded"):
+            lines += [f"Method `{s.method}` (artifact declares `{s.expected_method}`); kernels: "
+                      f"{', '.join(s.kernels or ['not logged'])}; load {s.load_s} s; "
+                      f"{s.tokens_per_s} generated tokens/s; teacher-forced agreement with FP16: "
+                      f"{s.token_agreement}", "", "| prompt | completion |", "|---|---|"]
+            for x in s.samples:
                 esc = lambda t: t.replace("|", "\\|").replace("\n", "⏎")  # noqa: E731
                 lines.append(f"| {esc(x['prompt'])} | {esc(x['completion'])} |")
-        for e in s["errors"]:
+        for e in s.errors:
             lines.append(f"\n- error: {e}")
-    lines += ["", "## lm-eval", "", *_lm_eval_md(r["lm_eval"]), "",
-              "## Timings (s)", "", f"quantize: {r['quantize_timings_s']}", "", f"eval: {r['eval_timings_s']}", ""]
+    lines += ["", "## lm-eval", "", *_lm_eval_md(r.lm_eval), "",
+              "## Timings (s)", "", f"quantize: {r.quantize_timings_s}", "", f"eval: {r.eval_timings_s}", ""]
     return "\n".join(lines)

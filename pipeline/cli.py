@@ -123,30 +123,29 @@ def run_eval(artifact: Path, base: str | None, eopts, cache: dict | None = None)
     from . import stages
 
     r = stages.evaluate(artifact, base, eopts, cache=cache)
-    p = r["perplexity"]
-    print(f"perplexity FP16 {p['fp16']['ppl']:.4f}  quantized {p['quantized']['ppl']:.4f}  "
-          f"delta {p['delta']:+.4f} ({p['delta_pct']:+.2f}%)  [{p['protocol']['windows']} x "
-          f"{p['protocol']['seq_len']} tokens]")
-    if d := r.get("distribution"):
-        print(f"KL(reference || quantized) mean {d['kl_mean']:.4f}  p99 {d['kl_p99']:.4f} nats  top-1 agreement "
-              f"{d['top1']:.4f}  [top-{d['k']} of the reference]")
-    lm = r.get("lm_eval") or {}
-    for task, metrics in ((lm.get("quantized") or {}).get("scores") or {}).items():
-        ref = lm["reference"]["scores"].get(task, {})
+    p = r.perplexity
+    print(f"perplexity FP16 {p.fp16.ppl:.4f}  quantized {p.quantized.ppl:.4f}  "
+          f"delta {p.delta:+.4f} ({p.delta_pct:+.2f}%)  [{p.protocol.windows} x {p.protocol.seq_len} tokens]")
+    if d := r.distribution:
+        print(f"KL(reference || quantized) mean {d.kl_mean:.4f}  p99 {d.kl_p99:.4f} nats  top-1 agreement "
+              f"{d.top1:.4f}  [top-{d.k} of the reference]")
+    lm = r.lm_eval
+    for task, metrics in (lm.quantized.scores if lm and lm.quantized else {}).items():
+        ref = lm.reference.scores.get(task, {})
         print(f"lm-eval {task}: " + "  ".join(f"{m} FP16 {ref.get(m, float('nan')):.4f} quantized {v:.4f}"
                                               for m, v in metrics.items()))
-    for task, why in (lm.get("not_run") or {}).items():
+    for task, why in (lm.not_run if lm else {}).items():
         print(f"lm-eval {task}: {why}")
-    s = r["vllm_smoke"]
-    if "skipped" in s:
-        print(f"vLLM smoke: skipped ({s['skipped']})")
+    s = r.vllm_smoke
+    if s.skipped is not None:
+        print(f"vLLM smoke: skipped ({s.skipped})")
     else:
-        print(f"vLLM smoke: {'passed' if s['passed'] else 'FAILED'}; method {s.get('method')}, "
-              f"agreement {s.get('token_agreement')}, load {s.get('load_s')} s, {s.get('tokens_per_s')} tok/s")
-    for e in r["gates"]["failures"] + s.get("errors", []):
+        print(f"vLLM smoke: {'passed' if s.passed else 'FAILED'}; method {s.method}, "
+              f"agreement {s.token_agreement}, load {s.load_s} s, {s.tokens_per_s} tok/s")
+    for e in r.failures:
         print(f"FAILED: {e}", file=sys.stderr)
     print(f"report: {artifact / 'report.md'}")
-    return 0 if r["passed"] else 3
+    return 0 if r.passed else 3
 
 
 def _eval_command(args) -> int:
@@ -158,13 +157,12 @@ def _eval_command(args) -> int:
         eopts, artifact = EvalOptions(), Path(args.artifact)
     else:
         raise RecipeError("give a recipe name or --artifact DIR")
-    from quantize.manifest import MANIFEST, ArtifactError, read_json
+    from quantize.manifest import ArtifactError, read, read_json
 
     if not (artifact / "config.json").is_file():
         raise ArtifactError(f"{artifact} is not an artifact directory (no config.json); run make quantize first")
-    for name in ("config.json", MANIFEST):  # a damaged file is named before the eval reads it
-        if (artifact / name).is_file():
-            read_json(artifact / name)
+    read_json(artifact / "config.json")  # a damaged file is named before the eval reads it
+    read(artifact)  # so is a manifest this version cannot read
     if args.max_windows:
         eopts = eopts.model_copy(update={"perplexity": eopts.perplexity.model_copy(
             update={"max_windows": args.max_windows})})

@@ -13,11 +13,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from quantize import formats, methods, runner
-from quantize.manifest import MANIFEST
+from quantize import formats, manifest, methods, runner
 from quantize.modelcard import protocol_sentence
 from quantize.paths import child
 from quantize.recipe import load_variants
+from quantize.records import Manifest
 
 from eval.report import machine
 
@@ -73,37 +73,40 @@ def sizes(artifact: Path, w_bit: int) -> dict:
             "model_bits_per_weight": 8 * tensor_bytes / (weights["quantized"] + weights["other"])}
 
 
-def source_bytes(manifest: dict) -> int | None:
+def source_bytes(m: Manifest) -> int | None:
     """Bytes of the FP16 source checkpoint's weight files (the 16-bit reference point), if still on disk."""
-    resolved = Path(manifest.get("model", {}).get("resolved", ""))
-    files = list(resolved.glob("*.safetensors")) if resolved.is_dir() else []
+    resolved = Path(m.model.resolved or "")
+    files = list(resolved.glob("*.safetensors")) if m.model.resolved and resolved.is_dir() else []
     return sum(f.stat().st_size for f in files) or None
 
 
 def row(artifact: Path) -> dict:
     """One comparison row from an artifact directory (its manifest, report and files)."""
     artifact = Path(artifact)
-    m = json.loads((artifact / MANIFEST).read_text())
-    rec = m["recipe"]
-    report_path = artifact / "report.json"
-    rep = json.loads(report_path.read_text()) if report_path.is_file() else None
-    ppl = (rep or {}).get("perplexity") or {}
-    smoke = (rep or {}).get("vllm_smoke") or {}
-    t = m.get("timings_s", {})
+    m = manifest.read(artifact)
+    if m is None:
+        raise manifest.ArtifactError(f"{artifact}: no {manifest.MANIFEST}; compare reads artifacts written by "
+                                     f"make quantize")
+    rec, rep = m.recipe, manifest.read_report(artifact)
+    ppl = rep.perplexity if rep is not None else None
+    smoke = rep.vllm_smoke if rep is not None else None
+    dist = rep.distribution if rep is not None else None
+    t = m.timings_s or {}
     return {
-        "variant": m["artifact"], "artifact": str(artifact), "method": rec["method"], "w_bit": rec["w_bit"],
-        "group_size": rec["q_group_size"], "zero_point": rec["zero_point"], "format": m["format"]["name"],
-        **sizes(artifact, rec["w_bit"]),
-        "ppl_fp16": ppl.get("fp16", {}).get("ppl"), "ppl": ppl.get("quantized", {}).get("ppl"),
-        "delta_ppl": ppl.get("delta"), "delta_ppl_pct": ppl.get("delta_pct"),
+        "variant": m.artifact, "artifact": str(artifact), "method": rec.method, "w_bit": rec.w_bit,
+        "group_size": rec.q_group_size, "zero_point": rec.zero_point, "format": m.format.name,
+        **sizes(artifact, rec.w_bit),
+        "ppl_fp16": ppl.fp16.ppl if ppl else None, "ppl": ppl.quantized.ppl if ppl else None,
+        "delta_ppl": ppl.delta if ppl else None, "delta_ppl_pct": ppl.delta_pct if ppl else None,
         "quantize_s": t.get("quantize"), "pipeline_s": round(sum(t.values()), 3) if t else None,
-        "vllm_smoke": ("not run" if rep is None else "skipped" if "skipped" in smoke
-                       else "passed" if smoke.get("passed") else "FAILED"),
-        "token_agreement": smoke.get("token_agreement"),
-        **{k: ((rep or {}).get("distribution") or {}).get(k) for k in ("kl_mean", "kl_p99", "top1")},
-        "eval_passed": None if rep is None else rep.get("passed"),
-        "protocol": ppl.get("protocol"), "base_model": m["model"]["spec"], "source_bytes": source_bytes(m),
-        "h100_tp1_kernel": ((m.get("deploy") or {}).get("kernels") or {}).get("9.0", {}).get("1"),
+        "vllm_smoke": ("not run" if smoke is None else "skipped" if smoke.skipped is not None
+                       else "passed" if smoke.passed else "FAILED"),
+        "token_agreement": smoke.token_agreement if smoke else None,
+        **{k: getattr(dist, k) if dist else None for k in ("kl_mean", "kl_p99", "top1")},
+        "eval_passed": None if rep is None else rep.passed,
+        "protocol": ppl.protocol.to_json() if ppl else None, "base_model": m.model.spec,
+        "source_bytes": source_bytes(m),
+        "h100_tp1_kernel": m.deploy.kernels.get("9.0", {}).get("1") if m.deploy else None,
     }
 
 
@@ -234,7 +237,7 @@ def run_comparison(recipe_names: list[str], out_root: Path, force: bool = False,
         for v, art in zip([v for g in groups.values() for v in g], artifacts):
             if v.eval.enabled:
                 log.info("eval %s", v.name)
-                if not evaluate(art, None, v.eval, cache=cache)["passed"]:
+                if not evaluate(art, None, v.eval, cache=cache).passed:
                     failed.append(v.name)
         timings["eval_all"] = round(time.perf_counter() - t0, 2)
     doc = write_comparison(name, artifacts, Path(out_root), {"recipes": recipe_names, "timings_s": timings,

@@ -27,8 +27,9 @@ from urllib.parse import unquote, urlparse
 
 from quantize.errors import UserError, did_you_mean
 from quantize.files import sha256_file
-from quantize.manifest import MANIFEST, ArtifactError, files_fingerprint, verify
+from quantize.manifest import MANIFEST, ArtifactError, files_fingerprint, read, read_report, verify
 from quantize.paths import child
+from quantize.records import Manifest, Report
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,10 @@ def _registry_errors() -> Iterator[None]:
         raise RegistryError(f"the model registry {uri} cannot be used ({type(e).__name__}: {first}); {what}") from None
 
 
-def _snapshot(artifact: Path, m: dict, into: Path) -> None:
+def _snapshot(artifact: Path, m: Manifest, into: Path) -> None:
     """Copy the files the manifest lists (never following a symlink) and verify the copy: what is registered
     is exactly what was verified, even if the directory changes meanwhile."""
-    names = [*m["files"], *(n for n in m.get("report", {}) if n != "passed"), MANIFEST]
+    names = [*m.files, *(m.report.hashes() if m.report else {}), MANIFEST]
     for name in names:
         (into / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(artifact / name, into / name, follow_symlinks=False)
@@ -113,25 +114,24 @@ def _experiment_id(client, uri: str) -> str:
     return client.create_experiment(EXPERIMENT, artifact_location=location)
 
 
-def check_artifact(artifact: Path) -> tuple[dict, dict]:
+def check_artifact(artifact: Path) -> tuple[Manifest, Report]:
     """Refuse anything not fit for a registry -> (manifest, report). Raises RegistryError naming the cause."""
     artifact = Path(artifact)
     if not (artifact / MANIFEST).is_file():
         raise RegistryError(f"{artifact}: no {MANIFEST}; only artifacts written by `make quantize` can be registered")
     try:
         verify(artifact)
+        m = read(artifact)
+        report = read_report(artifact) if m.report is not None else None  # verified: its hash is the manifest's
     except ArtifactError as e:
         raise RegistryError(str(e)) from None
-    m = json.loads((artifact / MANIFEST).read_text())
-    if not (artifact / "report.json").is_file() or "report" not in m:
-        raise RegistryError(f"{artifact}: not evaluated; run `make eval RECIPE={m.get('artifact')}` first")
-    report = json.loads((artifact / "report.json").read_text())
-    if not report.get("passed") or not m["report"].get("passed"):
-        why = report.get("gates", {}).get("failures", []) + report.get("vllm_smoke", {}).get("errors", [])
-        raise RegistryError(f"{artifact}: refused, its eval failed: {'; '.join(why) or 'see report.md'}")
-    if report.get("files_scored") != files_fingerprint(m):
+    if report is None:
+        raise RegistryError(f"{artifact}: not evaluated; run `make eval RECIPE={m.artifact}` first")
+    if not report.passed or not m.report.passed:
+        raise RegistryError(f"{artifact}: refused, its eval failed: {'; '.join(report.failures) or 'see report.md'}")
+    if report.files_scored != files_fingerprint(m):
         raise RegistryError(f"{artifact}: refused, its report scored other files than the artifact holds now (it was "
-                            f"re-made after that eval); run `make eval RECIPE={m.get('artifact')}` again")
+                            f"re-made after that eval); run `make eval RECIPE={m.artifact}` again")
     never = never_loaded(report)
     if never:
         raise RegistryError(f"{artifact}: refused, vLLM never loaded it ({never}); "
@@ -139,9 +139,9 @@ def check_artifact(artifact: Path) -> tuple[dict, dict]:
     return m, report
 
 
-def never_loaded(report: dict) -> str | None:
+def never_loaded(report: Report) -> str | None:
     """Why the report's vLLM smoke never ran (the reason it was skipped), or None when vLLM loaded the artifact."""
-    return report.get("vllm_smoke", {}).get("skipped")
+    return report.vllm_smoke.skipped
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, str]:
@@ -155,22 +155,24 @@ def _flat(d: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _metrics(m: dict, report: dict) -> dict[str, float]:
-    p, s = report["perplexity"], report["vllm_smoke"]
-    out = {"ppl_fp16": p["fp16"]["ppl"], "ppl": p["quantized"]["ppl"], "ppl_delta": p["delta"],
-           "ppl_delta_pct": p["delta_pct"], "ppl_windows": p["protocol"]["windows"],
-           "vllm_smoke_passed": float(bool(s.get("passed"))),
-           "artifact_bytes": sum(f["bytes"] for f in m["files"].values())}
-    d = report.get("distribution") or {}
-    out.update({k: d[k] for k in ("kl_mean", "kl_median", "kl_p99", "top1") if isinstance(d.get(k), (int, float))})
-    lm = report.get("lm_eval") or {}
+def _metrics(m: Manifest, report: Report) -> dict[str, float]:
+    p, s = report.perplexity, report.vllm_smoke
+    out = {"ppl_fp16": p.fp16.ppl, "ppl": p.quantized.ppl, "ppl_delta": p.delta,
+           "ppl_delta_pct": p.delta_pct, "ppl_windows": p.protocol.windows,
+           "vllm_smoke_passed": float(bool(s.passed)),
+           "artifact_bytes": sum(f.bytes for f in m.files.values())}
+    d = report.distribution
+    out.update({k: getattr(d, k) for k in ("kl_mean", "kl_median", "kl_p99", "top1")
+                if d is not None and isinstance(getattr(d, k), (int, float))})
+    lm = report.lm_eval
     for side in ("reference", "quantized"):
-        for task, metrics in ((lm.get(side) or {}).get("scores") or {}).items():
+        scores = getattr(lm, side) if lm is not None else None
+        for task, metrics in (scores.scores if scores else {}).items():
             out.update({f"lm_eval_{side}_{task}_{m}": v for m, v in metrics.items() if "stderr" not in m})
     for key in ("token_agreement", "load_s", "tokens_per_s"):
-        if isinstance(s.get(key), (int, float)):
-            out[f"vllm_{key}"] = s[key]
-    out.update({f"quantize_{k}_s": v for k, v in (m.get("timings_s") or {}).items()})
+        if isinstance(getattr(s, key), (int, float)):
+            out[f"vllm_{key}"] = getattr(s, key)
+    out.update({f"quantize_{k}_s": v for k, v in (m.timings_s or {}).items()})
     return out
 
 
@@ -183,12 +185,12 @@ def register(artifact: Path, by_reference: bool | None = None, storage_uri: str 
     """
     artifact = Path(artifact).resolve()
     m, report = check_artifact(artifact)
-    size = sum(f["bytes"] for f in m["files"].values())
+    size = sum(f.bytes for f in m.files.values())
     limit = int(os.environ.get("QUANTIZE_REGISTRY_COPY_LIMIT", COPY_LIMIT_BYTES))
     if by_reference is None:
         by_reference = size > limit or storage_uri is not None
     with _registry_errors(), tempfile.TemporaryDirectory(prefix=".register-") as snap:
-        res = _register(artifact, m, report, by_reference, storage_uri, Path(snap), model_name or m["artifact"])
+        res = _register(artifact, m, report, by_reference, storage_uri, Path(snap), model_name or m.artifact)
         if alias:
             _client()[1].set_registered_model_alias(res["name"], alias, str(res["version"]))
             res["alias"] = alias
@@ -245,24 +247,24 @@ def comparison_artifacts(out_root: Path, name: str) -> list[Path]:
                             f"run make compare again") from None
 
 
-def _register(artifact: Path, m: dict, report: dict, by_reference: bool, storage_uri: str | None,
+def _register(artifact: Path, m: Manifest, report: Report, by_reference: bool, storage_uri: str | None,
               snap: Path, name: str) -> dict:
-    r = m["recipe"]
+    r = m.recipe
     mlflow, client = _client()
-    tags = {"base_model": m["model"]["spec"], "method": r["method"], "w_bit": str(r["w_bit"]),
-            "group_size": str(r["q_group_size"]), "format": m["format"]["name"], "variant": m["artifact"],
-            "manifest_sha256": sha256_file(artifact / MANIFEST), "git_commit": str(m.get("git", {}).get("commit")),
+    tags = {"base_model": m.model.spec, "method": r.method, "w_bit": str(r.w_bit),
+            "group_size": str(r.q_group_size), "format": m.format.name, "variant": m.artifact,
+            "manifest_sha256": sha256_file(artifact / MANIFEST), "git_commit": str((m.git or {}).get("commit")),
             "artifact_path": str(artifact), "by_reference": str(by_reference).lower(),
             **{f"vllm_kernel_cc{cap}_tp{tp}": text  # pre-flight's deployability table, one tag per cell
-               for cap, row in ((m.get("deploy") or {}).get("kernels") or {}).items() for tp, text in row.items()}}
-    with mlflow.start_run(experiment_id=_experiment_id(client, tracking_uri()), run_name=m["artifact"]) as run:
-        params = _flat(r)
+               for cap, row in (m.deploy.kernels if m.deploy else {}).items() for tp, text in row.items()}}
+    with mlflow.start_run(experiment_id=_experiment_id(client, tracking_uri()), run_name=m.artifact) as run:
+        params = _flat(r.to_json())
         items = list(params.items())
         for i in range(0, len(items), 90):  # MLflow caps a batch at 100 params
             mlflow.log_params(dict(items[i : i + 90]))
         mlflow.log_metrics(_metrics(m, report))
         mlflow.set_tags(tags)
-        mlflow.log_dict(report, "report.json")
+        mlflow.log_dict(report.to_json(), "report.json")
         if by_reference:
             source = storage_uri or artifact.as_uri()
         else:
@@ -270,13 +272,13 @@ def _register(artifact: Path, m: dict, report: dict, by_reference: bool, storage
             mlflow.log_artifacts(str(snap), "model")
             source = f"{run.info.artifact_uri}/model"
     if not client.search_registered_models(filter_string=f"name = '{name}'"):
-        what = (f"{r['method']} w{r['w_bit']} g{r['q_group_size']}" if name == m["artifact"]
+        what = (f"{r.method} w{r.w_bit} g{r.q_group_size}" if name == m.artifact
                 else "4-bit variants (one version each; tags variant, method, group_size)")
-        client.create_registered_model(name, description=f"{what} of {m['model']['spec']}, made by quantize")
+        client.create_registered_model(name, description=f"{what} of {m.model.spec}, made by quantize")
     mv = client.create_model_version(name, source=source, run_id=run.info.run_id, tags=tags)
     log.info("registered %s version %s (%s) in %s", name, mv.version, source, tracking_uri())
     return {"name": name, "version": int(mv.version), "run_id": run.info.run_id, "source": source,
-            "tracking_uri": tracking_uri(), "variant": m["artifact"], "group_size": r["q_group_size"]}
+            "tracking_uri": tracking_uri(), "variant": m.artifact, "group_size": r.q_group_size}
 
 
 def resolve(uri: str, into: Path) -> Path:

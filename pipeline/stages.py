@@ -9,12 +9,13 @@ from pathlib import Path
 from quantize import manifest, modelcard
 from quantize.files import atomic_write_text
 from quantize.preflight import PreflightError
+from quantize.records import Report
 
 from eval import report as eval_report
 from eval.perplexity import Protocol, load_eval_text, windows
 
 
-def evaluate(artifact: Path, base: str | None, eopts, cache: dict | None = None) -> dict:
+def evaluate(artifact: Path, base: str | None, eopts, cache: dict | None = None) -> Report:
     """The eval stage on `artifact` (see `eval.report.evaluate`), its report written into the artifact -> report."""
     report = eval_report.evaluate(artifact, base, eopts, cache=cache)
     write_report(Path(artifact), report)
@@ -36,10 +37,10 @@ def check_eval_inputs(recipes, tokenizer) -> None:
                 from None
 
 
-def write_report(artifact: Path, report: dict) -> None:
+def write_report(artifact: Path, report: Report) -> None:
     """report.json + report.md into the artifact; for our artifacts the model card gains the numbers, and the
     manifest records the report's hashes and the new card (each write atomic)."""
-    atomic_write_text(artifact / "report.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(artifact / "report.json", json.dumps(report.written().to_json(), indent=2) + "\n")
     atomic_write_text(artifact / "report.md", eval_report.render_markdown(report))
     m = manifest.read(artifact)
-    manifest.add_report(artifact, report["passed"], modelcard.render(m, report) if "recipe" in m else None)
+    manifest.add_report(artifact, report.passed, modelcard.render(m, report) if m is not None else None)

@@ -11,6 +11,8 @@ GB are decimal (10^9 bytes), as GPUs are sold.
 
 from __future__ import annotations
 
+from .records import Capacity
+
 GPU_GB = (24, 48, 80, 141)  # common cards: L4/3090/4090-class, L40S/A6000, A100/H100 80GB, H200
 UTILIZATION = 0.9
 KV_BYTES = {"float16": 2, "fp8": 1}
@@ -45,18 +47,19 @@ def facts(config: dict, max_model_len: int, artifact_weight_bytes: int, paramete
             "gpu_memory_utilization": UTILIZATION, "sequences_that_fit": fit}
 
 
-def render(d: dict) -> list[str]:
+def render(facts_record: Capacity | dict) -> list[str]:
     """The model card's deployment section from a `facts` record."""
+    d = Capacity.of(facts_record)
     gb = lambda n: f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"  # noqa: E731
-    kv, per_seq, fit = d["kv_bytes_per_token"], d["kv_bytes_per_sequence"], d["sequences_that_fit"]
+    kv, per_seq, fit = d.kv_bytes_per_token, d.kv_bytes_per_sequence, d.sequences_that_fit
     lines = ["## Deployment", "",
-             f"Weights: **{gb(d['artifact_weight_bytes'])}** against {gb(d['base_weight_bytes'])} for the 16-bit base "
-             f"({d['size_vs_base']:.1%}; {d['bits_per_weight']} bits per parameter over all "
-             f"{d['parameters']:,} parameters, 16-bit embeddings and norms included).", "",
+             f"Weights: **{gb(d.artifact_weight_bytes)}** against {gb(d.base_weight_bytes)} for the 16-bit base "
+             f"({d.size_vs_base:.1%}; {d.bits_per_weight} bits per parameter over all "
+             f"{d.parameters:,} parameters, 16-bit embeddings and norms included).", "",
              f"KV cache: {kv['float16']:,} bytes per token in float16 ({kv['fp8']:,} with an fp8 KV cache); at the "
-             f"served max model length {d['max_model_len']:,}: {gb(per_seq['float16'])} per sequence "
+             f"served max model length {d.max_model_len:,}: {gb(per_seq['float16'])} per sequence "
              f"({gb(per_seq['fp8'])} in fp8).", "",
-             f"Full-length sequences that fit at `gpu_memory_utilization` {d['gpu_memory_utilization']} "
+             f"Full-length sequences that fit at `gpu_memory_utilization` {d.gpu_memory_utilization} "
              "(an upper bound: "
              "vLLM's activations and graphs take some of it; choose `max_num_seqs` from it):", "",
              "| GPU | base, float16 KV | base, fp8 KV | this artifact, float16 KV | this artifact, fp8 KV |",

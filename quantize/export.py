@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from .errors import UserError
 from . import manifest
+from .records import Manifest
 from .files import fsync_path
 from .preflight import human_bytes
 from .recipe import parse_size
@@ -128,8 +129,8 @@ def temp_name(out: Path) -> str:
     return f".{out.name}.tmp-*"
 
 
-def atomic_write_dir(out: Path, fill: Callable[[Path], dict], force: bool = False) -> Path:
-    """Call fill(tmp_dir) -> manifest extras; add file hashes; fsync; rename tmp_dir to `out`.
+def atomic_write_dir(out: Path, fill: Callable[[Path], Manifest], force: bool = False) -> Path:
+    """Call fill(tmp_dir) -> the manifest but its files; add file hashes; fsync; rename tmp_dir to `out`.
 
     On any failure (an interrupt included) the temporary directory is removed and a previous `out` is in place;
     a full disk raises DiskFullError, another refused write or rename ExportError, each saying so.

@@ -12,9 +12,15 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
+
+from pydantic import ValidationError
 
 from .errors import UserError
 from .files import atomic_write_text, fsync_path, sha256_file
+from .records import FileRecord, Manifest, Record, Report, ReportHashes, Seal
+
+R = TypeVar("R", bound=Record)
 
 MANIFEST = "manifest.json"
 CARD = "README.md"  # the model card: re-rendered when the eval adds its numbers, so no report fingerprints it
@@ -25,10 +31,31 @@ class ArtifactError(UserError, ValueError):
     pass
 
 
-def read(root: Path) -> dict:
-    """The manifest of an artifact directory -> dict ({} when there is none: another tool's directory)."""
+def read(root: Path) -> Manifest | None:
+    """The manifest of an artifact directory -> its record (None when there is none: another tool's directory).
+    ArtifactError naming the file when it is not one this version can read."""
     path = Path(root) / MANIFEST
-    return read_json(path) if path.is_file() else {}
+    return parse(Manifest, read_json(path), path) if path.is_file() else None
+
+
+def read_report(root: Path) -> Report | None:
+    """The eval report of an artifact directory -> its record (None before the eval); ArtifactError naming the
+    file when it is not one this version can read."""
+    path = Path(root) / REPORT_FILES[0]
+    return parse(Report, read_json(path), path, "evaluate the artifact again with make eval") if path.is_file() \
+        else None
+
+
+def parse(cls: type[R], data: dict, path: Path, remedy: str = "re-create the artifact with make quantize") -> R:
+    """A JSON object read from `path` -> its record; ArtifactError naming the file and the first key at fault."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(map(str, err["loc"])) or "the object"
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise ArtifactError(f"{path} is not a {cls.WHAT or cls.__name__.lower()} this version can read ({where}: {err['msg']}"
+                            f"{more}); restore that file, or {remedy}") from None
 
 
 def read_json(path: Path) -> dict:
@@ -45,8 +72,8 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def file_hashes(root: Path, sync: bool = False) -> dict[str, dict]:
-    """Every file under root except the manifest -> {sha256, bytes}, shards hashed in parallel threads (hashlib
+def file_hashes(root: Path, sync: bool = False) -> dict[str, FileRecord]:
+    """Every file under root except the manifest -> its sha256 and bytes, shards hashed in parallel threads (hashlib
     releases the GIL, and a 7B artifact is several GB). sync: also fsync each file once hashed, in the same
     thread, so one shard's write-back overlaps another's hashing."""
     files = [p for p in sorted(Path(root).rglob("*")) if p.is_file() and p.name != MANIFEST]
@@ -59,13 +86,14 @@ def file_hashes(root: Path, sync: bool = False) -> dict[str, dict]:
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         digests = list(pool.map(one, files))
-    return {str(p.relative_to(root)): {"sha256": h, "bytes": p.stat().st_size} for p, h in zip(files, digests)}
+    return {str(p.relative_to(root)): FileRecord(sha256=h, bytes=p.stat().st_size) for p, h in zip(files, digests)}
 
 
-def write(root: Path, extras: dict) -> dict:
+def write(root: Path, extras: Manifest) -> Manifest:
     """Hash (and fsync) every file under root and write the manifest: extras + `files` -> the manifest."""
-    manifest = {**extras, "files": file_hashes(root, sync=True)}
-    (Path(root) / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    manifest = extras.written().model_copy()
+    manifest.files = file_hashes(root, sync=True)  # an assignment: `files` counts as set, so it is written
+    (Path(root) / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n")
     return manifest
 
 
@@ -74,21 +102,22 @@ def add_report(root: Path, report_passed: bool, card: str | None) -> None:
     write atomic; call after report.json and report.md are written."""
     root = Path(root)
     m = read(root)
-    if not m:
+    if m is None:
         return
-    m["report"] = {n: sha256_file(root / n) for n in REPORT_FILES}
-    m["report"]["passed"] = report_passed
+    m.report = ReportHashes.model_validate({**{n: sha256_file(root / n) for n in REPORT_FILES},
+                                            "passed": report_passed})
     if card is not None:
         atomic_write_text(root / CARD, card)
-        m.setdefault("files", {})[CARD] = {"sha256": sha256_file(root / CARD), "bytes": (root / CARD).stat().st_size}
-    atomic_write_text(root / MANIFEST, json.dumps(m, indent=2) + "\n")
+        m.files[CARD] = FileRecord(sha256=sha256_file(root / CARD), bytes=(root / CARD).stat().st_size)
+    atomic_write_text(root / MANIFEST, json.dumps(m.to_json(), indent=2) + "\n")
 
 
 def report_hash_ok(root: Path) -> bool:
     """The report files are the ones the manifest recorded."""
-    m = read(root)
-    return all(hashlib.sha256((Path(root) / n).read_bytes()).hexdigest() == h
-               for n, h in m.get("report", {}).items() if n != "passed")
+    path = Path(root) / MANIFEST
+    m = parse(Seal, read_json(path), path) if path.is_file() else None
+    recorded = m.report.hashes() if m is not None and m.report is not None else {}
+    return all(hashlib.sha256((Path(root) / n).read_bytes()).hexdigest() == h for n, h in recorded.items())
 
 
 def verify(path: Path) -> bool:
@@ -101,12 +130,11 @@ def verify(path: Path) -> bool:
     if not mpath.is_file():
         return False
     try:
-        m = json.loads(mpath.read_text(encoding="utf-8"))
-        expected = {str(name): rec["sha256"] for name, rec in m.get("files", {}).items()}
-        expected.update({str(n): h for n, h in m.get("report", {}).items() if n != "passed"})
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise ArtifactError(f"{root}: refused, {MANIFEST} is not a valid manifest ({type(e).__name__}); "
-                            f"re-create the artifact with make quantize") from None
+        m = parse(Seal, read_json(mpath), mpath)
+    except ArtifactError as e:
+        raise ArtifactError(f"{root}: refused, {e}") from None
+    expected = {name: rec.sha256 for name, rec in m.files.items()}
+    expected.update(m.report.hashes() if m.report is not None else {})
     bad = _unlisted(root, set(expected) | {MANIFEST})
     base = root.resolve()
     inside = {n for n in expected if not (Path(n).is_absolute() or ".." in Path(n).parts
@@ -129,10 +157,11 @@ def verify(path: Path) -> bool:
     return True
 
 
-def files_fingerprint(manifest: dict) -> str:
+def files_fingerprint(manifest: Manifest | None) -> str:
     """sha256 over the (name, sha256) pairs of an artifact's files, its model card excepted (the eval rewrites
     that): a report records the one it scored, so a report can never vouch for files it did not see."""
-    pairs = sorted((n, rec["sha256"]) for n, rec in manifest.get("files", {}).items() if n != CARD)
+    files = manifest.files if manifest is not None else {}
+    pairs = sorted((n, rec.sha256) for n, rec in files.items() if n != CARD)
     return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()
 
 

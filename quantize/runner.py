@@ -33,6 +33,7 @@ from .preflight import (NO_TARGETS, ROUTER_KEPT, Plan, PreflightError, check_fre
                         cpu_moe_refusal, human_bytes, once_per_layer, pick_device, plan, table_lacks,
                         tied_embeddings)
 from .recipe import Recipe, load_recipe
+from .records import Manifest
 from .runlog import RunLog
 
 log = logging.getLogger(__name__)
@@ -395,13 +396,13 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
     tensors = {checkpoint_name(job.arch, k): t for k, t in tensors.items()}  # the names vLLM reads
     export.check_finite(tensors, f"the checkpoint {run.src.path}")
 
-    def fill(tmp: Path) -> dict:
+    def fill(tmp: Path) -> Manifest:
         copied = export.write_model_dir(tmp, model, tensors, qcfg, run.dtype, run.src.path,
                                         source.TOKENIZER_FILES, recipe.to_dict(), recipe.max_shard_size)
         (tmp / "preflight.json").write_text(the_plan.to_json() + "\n")
         serve = serve_config.build(recipe, the_plan)
         (tmp / serve_config.SERVE_CONFIG).write_text(serve_config.render(serve))
-        extras = {
+        extras = Manifest.model_validate({  # the keys in the order manifest.json has always listed them
             "artifact": recipe.name,
             "format": {"name": recipe.out_format, "quant_method": qcfg["quant_method"]},
             "recipe": recipe.to_dict(),
@@ -428,11 +429,11 @@ def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run
             "timings_s": {**stages, "export": round(time.perf_counter() - t0, 3)},
             "pass_seconds": run.pass_seconds,  # the quantize stage's time: device upload, FP forwards, jobs
             **({"distributed": run.provenance["distributed"]} if "distributed" in run.provenance else {}),
-        }
+        })
         if modelcard.plot_experts(extras, tmp / modelcard.EXPERT_PLOT) is not None:
-            extras["expert_plot"] = modelcard.EXPERT_PLOT
+            extras.expert_plot = modelcard.EXPERT_PLOT
         if modelcard.plot_errors(extras, tmp / modelcard.ERROR_PLOT):
-            extras["error_plot"] = modelcard.ERROR_PLOT
+            extras.error_plot = modelcard.ERROR_PLOT
         (tmp / "README.md").write_text(modelcard.render(extras))
         return extras
 

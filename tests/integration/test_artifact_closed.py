@@ -16,6 +16,7 @@ from pipeline import registry
 from quantize import runner
 from pipeline.cli import main as cli_main
 from quantize.recipe import EvalOptions
+from quantize.records import Smoke
 from tests.conftest import tiny_recipe
 
 
@@ -27,9 +28,8 @@ def evaluated(tiny_llama, tmp_path_factory):
     out = runner.run(tiny_recipe(tmp, tiny_llama, name="closed", method="rtn"), out_root=tmp / "a")
     eopts = EvalOptions.model_validate({"perplexity": {"seq_len": 64, "max_windows": 2}, "vllm": {"enabled": False}})
     report = evaluate(out, None, eopts)
-    report["vllm_smoke"] = {"passed": True, "checks": {"loaded": False}, "errors": [], "method": "awq",
-                            "token_agreement": 1.0}
-    report["passed"] = True
+    report.vllm_smoke = Smoke(passed=True, checks={"loaded": False}, errors=[], method="awq", token_agreement=1.0)
+    report.passed = True
     write_report(out, report)
     return out
 

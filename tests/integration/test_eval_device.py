@@ -4,6 +4,7 @@ the NaN gate, the finite check before an artifact is written, and the dtype vLLM
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,19 +13,26 @@ from safetensors.torch import load_file, save_file
 from eval import refcache, report
 from tests.conftest import eval_main
 from eval.perplexity import Protocol, protocol_record, windows
-from quantize import runner
+from quantize import manifest, runner
 from pipeline import stages
 from pipeline.cli import main as quantize_main
 from quantize.files import sha256_file
 from quantize.recipe import EvalOptions
+from quantize.records import Manifest
 from tests.conftest import build_tiny_model, tiny_recipe
 
 
+def _manifest(**over) -> Manifest:
+    """A manifest record as a tiny run writes it (tests/golden/records), with `over` in place."""
+    m = manifest.read(Path(__file__).resolve().parents[1] / "golden" / "records" / "records-awq")
+    return m.model_copy(update=over)
+
+
 def test_eval_device_follows_the_manifest(caplog):
-    assert report.eval_device({"device": "cpu"}) == torch.device("cpu")
-    assert report.eval_device({}) == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert report.eval_device(_manifest(device="cpu")) == torch.device("cpu")
+    assert report.eval_device(None) == torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():
-        assert report.eval_device({"device": "cuda"}) == torch.device("cpu")
+        assert report.eval_device(_manifest(device="cuda")) == torch.device("cpu")
         assert "quantized on cuda but no CUDA device is visible" in caplog.text
 
 
@@ -34,8 +42,10 @@ def test_eval_dtype_cpu_float32_gpu_the_artifacts(tmp_path):
     assert report.eval_dtype(cuda, "bfloat16") == torch.bfloat16
     assert report.eval_dtype(cuda, "float16") == torch.float16
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
-    assert report.served_dtype(tmp_path, {}) == "bfloat16"  # another tool's artifact: its config
-    assert report.served_dtype(tmp_path, {"recipe": {"dtype": "float16"}}) == "float16"  # ours: the recipe
+    assert report.served_dtype(tmp_path, None) == "bfloat16"  # another tool's artifact: its config
+    ours = _manifest()
+    ours = ours.model_copy(update={"recipe": ours.recipe.model_copy(update={"dtype": "float16"})})
+    assert report.served_dtype(tmp_path, ours) == "float16"  # ours: the recipe
 
 
 def test_cache_key_verified_not_trusted_by_name(tmp_path):
@@ -214,10 +224,10 @@ def test_vllm_asked_for_the_artifacts_dtype(evaluated, monkeypatch, tmp_path):
     eopts = EvalOptions(perplexity=dict(dataset="wikitext2", seq_len=128, max_windows=2), max_kl=None,
                         min_top1=None)
     r = stages.evaluate(art, None, eopts)
-    assert asked["dtype"] == "bfloat16" and r["vllm_smoke"]["dtype"] == "bfloat16" and not r["passed"]
+    assert asked["dtype"] == "bfloat16" and r.vllm_smoke.dtype == "bfloat16" and not r.passed
     monkeypatch.setattr(report, "vllm_unavailable", lambda: "vllm not importable")
     r = stages.evaluate(art, None, eopts)
-    assert r["vllm_smoke"] == {"skipped": "vllm not importable", "endpoint": "/v1/chat/completions"}
+    assert r.vllm_smoke.to_json() == {"skipped": "vllm not importable", "endpoint": "/v1/chat/completions"}
     assert "vLLM smoke-load: skipped (vllm not importable)" in (art / "README.md").read_text()
     from pipeline import registry
 

@@ -8,6 +8,7 @@ import pytest
 from tests.conftest import eval_main
 from pipeline import registry
 from pipeline.cli import main as cli_main
+from quantize.records import Report
 
 pytestmark = pytest.mark.vllm  # only artifacts that vLLM loaded are registered
 
@@ -62,7 +63,7 @@ def test_tampered_failed_and_unevaluated_artifacts_are_refused(evaluated, sqlite
                                     "failures": ["perplexity delta 9.0 > eval.max_ppl_delta 1.0"]})
     from pipeline.stages import write_report
 
-    write_report(failed, rep)  # a consistent, verified artifact whose eval failed
+    write_report(failed, Report.model_validate(rep))  # a consistent, verified artifact whose eval failed
     with pytest.raises(registry.RegistryError, match="its eval failed: perplexity delta 9.0"):
         registry.register(failed)
 

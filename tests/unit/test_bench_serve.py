@@ -31,8 +31,10 @@ def _figures(x):
 def test_report_side_by_side_with_a_failed_side(tmp_path, monkeypatch):
     art = tmp_path / "tiny-serve"
     art.mkdir()
-    (art / "manifest.json").write_text(json.dumps({"model": {"spec": "base"}, "recipe": {"serve": {
-        "concurrency": [1, 8]}}}))
+    (art / "manifest.json").write_text(json.dumps({
+        "artifact": "tiny-serve", "format": {"name": "awq", "quant_method": "awq"}, "model": {"spec": "base"},
+        "recipe": {"method": "awq", "w_bit": 4, "q_group_size": 128, "zero_point": True, "dtype": "float16",
+                   "serve": {"concurrency": [1, 8]}}}))
     (art / "vllm-serve.yaml").write_text("quantization: awq_marlin\nserved-model-name: tiny-chat\ndtype: float16\n")
     monkeypatch.setattr(bench_serve.source, "resolve", lambda spec: type("S", (), {"path": tmp_path / "ref"}))
     asked = []

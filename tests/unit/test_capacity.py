@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 from quantize import capacity, modelcard
+from quantize.records import Report
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN7B = json.loads((ROOT / "bench/configs/qwen2.5-7b/config.json").read_text())
@@ -36,5 +37,7 @@ def test_facts_and_card_section():
     card = modelcard.render(m)
     assert "## Deployment" in card and "vLLM 0.32.0 (CPU build)" in card
     assert "[1, 2]: the `--tensor-parallel-size` values" in card
-    assert modelcard.base_label({"base_model": m["model"]["spec"], "scored_on": {"dtype": "float32"}}) == \
+    report = Report(base_model=m["model"]["spec"], scored_on={"device": "cpu", "dtype": "float32"}, date="2026-12-01",
+                    machine="x86_64", vllm_smoke={"skipped": "no vLLM"}, passed=True)
+    assert modelcard.base_label(report) == \
         "GGUF Q4_1 dequantized to bfloat16, scored in float32"

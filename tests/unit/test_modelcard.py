@@ -164,7 +164,7 @@ def test_the_card_lists_the_ten_largest_output_errors_and_links_their_plot(tmp_p
 
 
 def test_kl_and_top1_go_into_the_model_index():
-    report = {**REPORT, "distribution": {"kl_mean": 0.0123, "kl_p99": 0.2, "top1": 0.91, "k": 64}}
+    report = {**REPORT, "distribution": {"kl_mean": 0.0123, "kl_p99": 0.2, "top1": 0.91, "k": 64, "tokens": 8176}}
     names = {r.metric_type: r.metric_value for r in modelcard.card_data(MANIFEST, report).eval_results}
     assert names["kl_divergence"] == 0.0123 and names["top1_agreement"] == 0.91 and names["kl_divergence_p99"] == 0.2
     assert "top-1 agreement 0.9100" in modelcard.render(MANIFEST, report)
