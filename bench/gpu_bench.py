@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -296,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
             report["runs"][job] = {"ok": False, "rc": "build failed", "log_tail": b["log_tail"]}
             continue
         record = run_job(job, job_command(job, b["path"], args), env, args.work, args.out, args.job_timeout)
+        # the record holds each artifact's hashes; the next job needs the disk (a 7B checkpoint plus three
+        # artifacts fill the GPU host's)
+        shutil.rmtree(args.work / "artifacts", ignore_errors=True)
         if big and record["ok"] and record["per_layer"]["n"]:
             cfg = json.loads((ROOT / "bench" / "configs" / "qwen2.5-72b" / "config.json").read_text())
             record["extrapolated"] = extrapolate(record, cfg["num_hidden_layers"])
