@@ -25,6 +25,7 @@ GM_PY=${GM_PY:-.cache/venv-gptqmodel/bin/python}
 AR_RECIPES=${AR_RECIPES:-default best}
 GPTQMODEL_VARIANTS=${GPTQMODEL_VARIANTS:-gptq gptaq}
 SCORE_DEVICE=${SCORE_DEVICE:-cpu}
+PEER_DEVICE=${PEER_DEVICE:-cpu}  # where the peers quantize (cuda on a GPU host)
 read -r SPEC G ZP < <($PY -c "from quantize.recipe import load_recipe as l; r = l('$RECIPE'); print(r.model, r.q_group_size, r.zero_point)")
 G=${GROUP:-$G}
 SRC=$($PY -c "from quantize import source; print(source.resolve('$SPEC').path)")
@@ -44,7 +45,7 @@ peer() {  # peer NAME PYTHON SCRIPT ARGS...: run once into $ART/$TAG-NAME, keep 
   local out="$ART/$TAG-$GRID-$name"
   if ! command -v "$py" > /dev/null; then echo "$name: $py missing (its setup script): skipped"; return; fi
   if [ ! -d "$out" ]; then
-    "$py" "$@" --model "$SRC" --out "$out" --group-size "$G" "${SYM[@]}" > "$out.log" 2>&1 \
+    "$py" "$@" --model "$SRC" --out "$out" --group-size "$G" --device "$PEER_DEVICE" "${SYM[@]}" > "$out.log" 2>&1 \
       || { echo "$name failed on $RECIPE: $(tail -1 "$out.log")"; rm -rf "$out"; return; }
   fi
   ROWS+=("$out")

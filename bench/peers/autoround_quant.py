@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--sym", action="store_true", help="symmetric grid, exported as GPTQ (default: asymmetric, AWQ)")
     ap.add_argument("--recipe", choices=RECIPES, default="default")
     ap.add_argument("--iters", type=int, default=None, help="override the recipe's iterations per block")
+    ap.add_argument("--device", default="cpu", help="where the peer quantizes: cpu, or cuda on a GPU host")
     args = ap.parse_args()
     out = Path(args.out)
 
@@ -66,7 +67,7 @@ def main() -> None:
     t = time.perf_counter()
     ar = AutoRound(model, tokenizer=tok, scheme="W4A16", bits=4, group_size=args.group_size, sym=args.sym,
                    dataset=data, nsamples=args.n_samples, seqlen=args.seq_len, iters=settings["iters"],
-                   batch_size=settings["batch_size"], lr=settings["lr"], device_map="cpu", seed=args.seed)
+                   batch_size=settings["batch_size"], lr=settings["lr"], device_map=args.device, seed=args.seed)
     _, folders = ar.quantize_and_save(str(out), format=fmt)  # AutoRound's documented entry: tune, pack in `fmt`
     quant_s = time.perf_counter() - t
     for f in Path(folders[0]).iterdir():  # it writes into OUT/<model name>-w4g<G>/: the artifact is OUT itself

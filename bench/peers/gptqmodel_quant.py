@@ -42,6 +42,7 @@ def main() -> None:
     ap = parser(__doc__.split("\n\n")[0])
     ap.add_argument("--sym", action="store_true", help="symmetric grid (default: asymmetric, zero points)")
     ap.add_argument("--gptaq", action="store_true", help="GPTAQ (GPTAQConfig(alpha=0.25), the README's setting)")
+    ap.add_argument("--device", default="cpu", help="where the peer quantizes: cpu, or cuda on a GPU host")
     args = ap.parse_args()
     out = Path(args.out)
 
@@ -55,10 +56,10 @@ def main() -> None:
     extra = {}
     if args.gptaq:
         from gptqmodel.quantization.config import GPTAQConfig
-        extra["gptaq"] = GPTAQConfig(alpha=0.25, device="cpu")
+        extra["gptaq"] = GPTAQConfig(alpha=0.25, device=args.device)
     qcfg = QuantizeConfig(bits=4, group_size=args.group_size, sym=args.sym, **extra)
     t = time.perf_counter()
-    model = GPTQModel.load(args.model, qcfg, device="cpu", dtype=DTYPES[args.compute_dtype])
+    model = GPTQModel.load(args.model, qcfg, device=args.device, dtype=DTYPES[args.compute_dtype])
     load_s = time.perf_counter() - t
     t = time.perf_counter()
     model.quantize(data, batch_size=1, tokenizer=tok)
