@@ -44,7 +44,10 @@ def main() -> None:
     ap.add_argument("--gptaq", action="store_true", help="GPTAQ (GPTAQConfig(alpha=0.25), the README's setting)")
     ap.add_argument("--device", default="cpu", help="where the peer quantizes: cpu, or cuda on a GPU host")
     args = ap.parse_args()
-    out = Path(args.out)
+    out = Path(args.out).resolve()
+    args.model = str(Path(args.model).resolve())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.chdir(out.parent)  # GPTQModel writes its logs/ into the working directory: beside the artifacts, not the repo
 
     from gptqmodel import GPTQModel
     from gptqmodel.quantization import QuantizeConfig
