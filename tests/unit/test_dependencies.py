@@ -29,7 +29,7 @@ SCANNED = ("quantize", "eval", "pipeline", "bench", "tests")
 FIRST_PARTY = {"quantize", "eval", "pipeline", "bench", "tests"}
 PEERS = ROOT / "bench" / "peers"
 # import name -> distribution, for the peers' packages (not installed in the project's venv)
-PEER_DISTS = {"awq": "autoawq", "llmcompressor": "llmcompressor"}
+PEER_DISTS = {"awq": "autoawq", "llmcompressor": "llmcompressor", "auto_round": "auto-round", "gptqmodel": "gptqmodel"}
 # declared, yet imported nowhere: why each is needed all the same
 RUNTIME_ONLY = {
     "accelerate": "transformers' from_pretrained(device_map=...) places the weights with it",

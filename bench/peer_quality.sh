@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Quality side by side against AutoRound and GPTQModel: our recipe as shipped, AutoRound 0.16.1 (its default
+# recipe, and its "best" recipe), GPTQModel 7.7.0 (its default GPTQ, and GPTAQ), all on the recipe's model, group
+# size and grid (zero_point: true -> asymmetric, false -> symmetric), the same calibration token blocks (16 x 512
+# of the bundled pile mix, seed 0), one run each; then every artifact decoded by eval/artifact.py and scored by
+# bench/ppl_compare.py (held-out WikiText-2, 2048-token windows, float32) with KL and top-1 against the source.
+#
+#   bash bench/peer_quality.sh RECIPE [WINDOWS]         (default 16 windows: the eval stage's protocol)
+#   e.g. bash bench/peer_quality.sh smollm2-awq-g64;  GROUP=128 bash bench/peer_quality.sh gemma3-270m-awq-g64
+#
+# Environment: GROUP overrides the recipe's group size (ours, with q_group_size=GROUP, and the peers');
+# AR_ITERS overrides AutoRound's iterations per block (its default 200, best 1000) where the machine cannot
+# afford them, and is recorded in the artifact's peer_run.json; AR_RECIPES (default "default best") and
+# GPTQMODEL_VARIANTS (default "gptq gptaq") pick the peer runs. Peers need bash bench/peers/setup_autoround.sh
+# and bash bench/peers/setup_gptqmodel.sh; one whose venv is missing is skipped, one that fails says so and
+# gets no artifact (its error is in its log under ART). Record: bench/results/peer-quality-RECIPE[-gG].json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1
+RECIPE=$1; W=${2:-16}
+PY=${PY:-.venv/bin/python}
+ART=${ART:-artifacts/quality}
+AR_PY=${AR_PY:-.cache/venv-autoround/bin/python}
+GM_PY=${GM_PY:-.cache/venv-gptqmodel/bin/python}
+AR_RECIPES=${AR_RECIPES:-default best}
+GPTQMODEL_VARIANTS=${GPTQMODEL_VARIANTS:-gptq gptaq}
+SCORE_DEVICE=${SCORE_DEVICE:-cpu}
+PEER_DEVICE=${PEER_DEVICE:-cpu}  # where the peers quantize (cuda on a GPU host)
+read -r SPEC G ZP < <($PY -c "from quantize.recipe import load_recipe as l; r = l('$RECIPE'); print(r.model, r.q_group_size, r.zero_point)")
+G=${GROUP:-$G}
+SRC=$($PY -c "from quantize import source; print(source.resolve('$SPEC').path)")
+SYM=(); GRID=asym
+if [ "$ZP" = "False" ]; then SYM=(--sym); GRID=sym; fi
+TAG="$RECIPE-g$G"
+mkdir -p "$ART" bench/results
+OURS="$ART/$RECIPE-default"
+if [ -n "${GROUP:-}" ]; then OURS="$ART/$RECIPE-g$G-default"; fi
+if [ ! -d "$OURS" ]; then
+  if [ -n "${GROUP:-}" ]; then $PY bench/awq_variants.py "$RECIPE" --out "$ART" "g$G-default:q_group_size=$G"
+  else $PY bench/awq_variants.py "$RECIPE" --out "$ART" default:; fi
+fi
+ROWS=("$OURS")
+peer() {  # peer NAME PYTHON SCRIPT ARGS...: run once into $ART/$TAG-NAME, keep it as a row when it exists
+  local name=$1 py=$2; shift 2
+  local out="$ART/$TAG-$GRID-$name"
+  if ! command -v "$py" > /dev/null; then echo "$name: $py missing (its setup script): skipped"; return; fi
+  if [ ! -d "$out" ]; then
+    "$py" "$@" --model "$SRC" --out "$out" --group-size "$G" --device "$PEER_DEVICE" "${SYM[@]}" > "$out.log" 2>&1 \
+      || { echo "$name failed on $RECIPE: $(tail -1 "$out.log")"; rm -rf "$out"; return; }
+  fi
+  ROWS+=("$out")
+}
+for r in $AR_RECIPES; do
+  peer "autoround-$r${AR_ITERS:+-i$AR_ITERS}" "$AR_PY" bench/peers/autoround_quant.py --recipe "$r" \
+    ${AR_ITERS:+--iters "$AR_ITERS"}
+done
+for v in $GPTQMODEL_VARIANTS; do
+  if [ "$v" = gptaq ]; then peer gptqmodel-gptaq "$GM_PY" bench/peers/gptqmodel_quant.py --gptaq
+  else peer gptqmodel-gptq "$GM_PY" bench/peers/gptqmodel_quant.py; fi
+done
+$PY bench/ppl_compare.py --source "$SPEC" --max-windows "$W" --device "$SCORE_DEVICE" --distribution \
+  --source-cache "$ART/.source-$(basename "$SRC")-w$W.pt" \
+  --json "bench/results/peer-quality-$TAG-$GRID.json" "${ROWS[@]}"
