@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 
 import yaml
 
 from quantize import recipe as recipe_mod, runner
+from quantize.recipe.load import _set_dotted
 from quantize.methods import awq_layer
 
 
@@ -27,7 +27,7 @@ def _variant(base: recipe_mod.Recipe, label: str, overrides: str) -> recipe_mod.
     raw["name"] = f"{base.name}-{label}"
     for item in filter(None, overrides.split(",")):
         key, _, value = item.partition("=")
-        raw = recipe_mod._set_dotted(raw, key, yaml.safe_load(value))
+        raw = _set_dotted(raw, key, yaml.safe_load(value))
     return recipe_mod.Recipe(**raw)
 
 

@@ -14,7 +14,7 @@ search, clip and quantize; the device code's own facts under `device`), the peak
 to --json and prints it as the last line.
 
 Under torchrun (bench/gpu_dist.py: `torchrun --nproc-per-node 2 bench/bench_ours.py ...`) every rank runs its share
-(`quantize.distributed`); rank 0 writes the record, with every rank's peak GPU memory under "ranks".
+(`quantize.capture.distributed`); rank 0 writes the record, with every rank's peak GPU memory under "ranks".
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from bench.versions import installed  # noqa: E402
-from quantize import distributed, manifest, runner  # noqa: E402
+from quantize import manifest, runner
+from quantize.capture import distributed  # noqa: E402
 from quantize.recipe import load_recipe  # noqa: E402
 from quantize.runlog import RunLog  # noqa: E402
 

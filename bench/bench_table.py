@@ -73,7 +73,7 @@ def _compare(method: str, c: dict) -> list[str]:
              f"{ok(goal is None or c['compare_over_one_run'] <= goal)}); pass / runs alone "
              f"{c['compare_over_separate']:.2f}x (goal <= 1: {ok(c['compare_over_separate'] <= 1)})",
              f"  processes: shared {c['compare_process_s']:.1f} s, alone {c['separate_process_s']:.1f} s in all",
-             f"  weights byte-identical to the run alone: "
+             "  weights byte-identical to the run alone: "
              + ", ".join(f"{k.rsplit('-', 1)[-1]} {'yes' if v else 'NO'}" for k, v in c["byte_identical"].items())]
     return lines
 

@@ -8,7 +8,7 @@ On the 2-GPU host (offline; wheels from bench/peers/collect_wheels.sh), in one c
     python3 bench/gpu_dist.py --tiny --device cpu                # the CPU test: 2 gloo ranks on tiny shapes
 
 Each job is its own process (tree): ours at 1 GPU is bench/bench_ours.py, at 2 GPUs the same under
-`torchrun --standalone --nproc-per-node 2` (quantize.distributed: batches split over the ranks, owners per unit of
+`torchrun --standalone --nproc-per-node 2` (quantize.capture.distributed: batches split over the ranks, owners per unit of
 work); llm-compressor's is bench/peers/llmc_dist.py under torchrun (its `init_dist` + `load_offloaded_model`
 guide), recorded as unsupported when the installed version lacks them. Checkpoints come from
 bench/build_checkpoint.py (random init, bf16, bench/configs shapes cut to --layers-7b / --layers-72b layers).

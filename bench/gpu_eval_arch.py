@@ -13,7 +13,7 @@ import argparse, json, os, subprocess, sys, time
 from pathlib import Path
 sys.path.insert(0, os.getcwd())
 from transformers import AutoConfig
-from quantize.arch import arch_for
+from quantize.source.arch import arch_for
 from tests.conftest import TINY, build_tiny_model, tiny_recipe
 from tests.integration.test_architectures import MODELS, build
 out = Path(os.environ.get("OUT", "/tmp/o")); work = Path("/tmp/gea"); work.mkdir(exist_ok=True)

@@ -30,7 +30,7 @@ import torch
 from eval import distribution
 from eval.artifact import load_dequantized
 from eval.perplexity import Protocol, load_eval_text, perplexity, protocol_record, windows
-from quantize import source
+from quantize.source import load as source
 
 
 def main() -> None:

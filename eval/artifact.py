@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 
 from quantize import formats
-from quantize.arch import ARCHITECTURES, arch_for, attn_implementation, checkpoint_name
-from quantize.experts import split_experts
+from quantize.source.arch import ARCHITECTURES, arch_for, attn_implementation, checkpoint_name
+from quantize.source.experts import split_experts
 from quantize.manifest import ArtifactError
 
 

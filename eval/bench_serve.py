@@ -22,7 +22,8 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
-from quantize import serve_config, source
+from quantize.export import serve_config
+from quantize.source import load as source
 from quantize.errors import run_main
 from quantize import manifest
 from quantize.manifest import MANIFEST

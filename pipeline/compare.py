@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from quantize import formats, manifest, methods, runner
-from quantize.modelcard import protocol_sentence
+from quantize.export.modelcard import protocol_sentence
 from quantize.paths import child
 from quantize.recipe import load_variants
 from quantize.records import Manifest

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from quantize import manifest, modelcard
+from quantize import manifest
+from quantize.export import modelcard
 from quantize.files import atomic_write_text
-from quantize.preflight import PreflightError
+from quantize.preflight.checks import PreflightError
 from quantize.records import Report
 
 from eval import report as eval_report

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
-from .source import hub_offline
+from .source.load import hub_offline
 
 log = logging.getLogger(__name__)
 

@@ -132,7 +132,7 @@ class Deploy(Record):
 
 
 class Capacity(Record):
-    """What serving the artifact costs in GPU memory (`quantize.capacity.facts`)."""
+    """What serving the artifact costs in GPU memory (`quantize.export.capacity.facts`)."""
 
     max_model_len: int
     parameters: int

@@ -17,21 +17,24 @@ from typing import Any
 
 import torch
 
-from . import calib, capacity, deploy, export, integrity, methods, modelcard, serve_config, source
-from .arch import Arch, UnsupportedArchitecture, arch_for, checkpoint_name
-from .experts import split_experts
-from .capture import run_shared
-from .device import configure_allocator
-from .distributed import Dist
-from .checkpoint import Checkpointer, fingerprint
-from .job import DTYPES, Job, feature_names
+from . import calib, methods
+from .export import capacity, write as export, modelcard, serve_config
+from .preflight import deploy
+from .source import integrity, load as source
+from .source.arch import Arch, UnsupportedArchitecture, arch_for, checkpoint_name
+from .source.experts import split_experts
+from .capture.loop import run_shared
+from .capture.device import configure_allocator
+from .capture.distributed import Dist
+from .capture.checkpoint import Checkpointer, fingerprint
+from .capture.job import DTYPES, Job, feature_names
 from .methods.layer import is_skipped
-from .pack import pack_all
+from .formats.pack import pack_all
 from .lock import output_lock
 from .paths import check_output_parent, child
-from .preflight import (NO_TARGETS, ROUTER_KEPT, Plan, PreflightError, check_free_disk, check_targets,
-                        cpu_moe_refusal, human_bytes, once_per_layer, pick_device, plan, table_lacks,
-                        tied_embeddings)
+from .preflight.checks import (NO_TARGETS, ROUTER_KEPT, Plan, PreflightError, check_free_disk, check_targets,
+                               cpu_moe_refusal, human_bytes, once_per_layer, pick_device, plan, table_lacks,
+                               tied_embeddings)
 from .recipe import Recipe, load_recipe
 from .records import Manifest
 from .runlog import RunLog
@@ -127,7 +130,7 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
         try:
             arch = arch_for(config)
         except UnsupportedArchitecture as e:
-            raise UnsupportedArchitecture(f"{e}; to add it, the table in quantize/arch.py needs: "
+            raise UnsupportedArchitecture(f"{e}; to add it, the table in quantize/source/arch.py needs: "
                                           f"{table_lacks(config, first.trust_remote_code)}") from None
         for r in recipes:  # the GPUs the recipe must serve on: from the config alone, before the weight files
             check_targets(r, config, arch, is_skipped)

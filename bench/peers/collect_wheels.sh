@@ -9,7 +9,7 @@
 # nvidia-ml-py, packaging. What is missing:
 # - our import chain with eval off (quantize.runner): pydantic (+ pydantic-core, annotated-types,
 #   typing-inspection, typing-extensions >= 4.16 for pydantic 2.14) and compressed-tensors (imported by
-#   quantize/formats/compressed_tensors.py through quantize.pack, even when the recipe writes AWQ/GPTQ);
+#   quantize/formats/compressed_tensors.py through quantize.formats.pack, even when the recipe writes AWQ/GPTQ);
 # - llm-compressor 0.14.0.1: compressed-tensors==0.19.0 (+ loguru), datasets (+ dill, multiprocess, and
 #   fsspec <= 2026.9.0 as datasets 5.2 requires).
 # One compressed-tensors serves both: our code only uses pack_to_int32/unpack_from_int32 and its config

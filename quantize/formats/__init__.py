@@ -194,7 +194,7 @@ class AwqGemm(Format):
     def decode(self, tensors, qcfg, bits):
         import torch
 
-        from ..primitives import dequantize, symmetric_zero
+        from ..methods.primitives import dequantize, symmetric_zero
         from . import awq_gemm
 
         codes, scales, zeros = awq_gemm.unpack(tensors)
@@ -253,7 +253,7 @@ class Gptq(Format):
     def decode(self, tensors, qcfg, bits):
         import torch
 
-        from ..primitives import dequantize, symmetric_zero
+        from ..methods.primitives import dequantize, symmetric_zero
         from . import gptq
 
         codes, scales, zeros = gptq.unpack(tensors, bits)
@@ -303,7 +303,7 @@ class CompressedTensors(Format):
         return int(groups[0]["weights"]["num_bits"])
 
     def decode(self, tensors, qcfg, bits):
-        from ..primitives import dequantize
+        from ..methods.primitives import dequantize
         from . import compressed_tensors
 
         return dequantize(*compressed_tensors.unpack(tensors, bits))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..primitives import symmetric_zero
+from ..methods.primitives import symmetric_zero
 from .packing import pack_int32, unpack_int32
 
 

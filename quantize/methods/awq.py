@@ -1,6 +1,6 @@
 """AWQ (Lin et al. 2023): activation-aware scales folded into the preceding op, clip search, then rounding.
 
-The method's facts and recipe section (`awq:`); its per-layer job is `awq_layer.py`, its maths `quantize/awq.py`.
+The method's facts and recipe section (`awq:`); its per-layer job is `awq_layer.py`, its maths `quantize/methods/awq_search.py`.
 AWQ's GPTQ rounding (`awq.rounding: gptq`) is an option of this method: it reads the `gptq:` section's settings.
 """
 

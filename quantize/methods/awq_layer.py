@@ -1,8 +1,8 @@
 """AWQ's per-layer job: scale search on the unmodified layer, folding, clip search, then rounding on the grids.
 
 Joins the architecture table (which linears share an input, what feeds them, which block to inspect) with the
-capture loop's data (`capture.LayerData`) and the pure algorithm (`quantize/awq.py`); GPTQ's error feedback
-(`quantize/gptq.py`) picks the codes when the recipe sets `awq.rounding: gptq`.
+capture loop's data (`capture.LayerData`) and the pure algorithm (`quantize/methods/awq_search.py`); GPTQ's error feedback
+(`quantize/methods/gptq_sweep.py`) picks the codes when the recipe sets `awq.rounding: gptq`.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from .. import awq, gptq, output_error
-from ..arch import Arch, ScaleGroup, active_scale_groups, layer_prefix
-from ..capture import LayerData
-from ..device import clock as _clock
-from ..device import gptq_sweep, side_stream
-from ..distributed import Dist
-from ..primitives import quantize
+from . import awq_search as awq, gptq_sweep as gptq, output_error
+from ..source.arch import Arch, ScaleGroup, active_scale_groups, layer_prefix
+from ..capture.loop import LayerData
+from ..capture.device import clock as _clock
+from ..capture.device import gptq_sweep, side_stream
+from ..capture.distributed import Dist
+from .primitives import quantize
 from ..runlog import RunLog
 from .base import ERRORS
 from .gptq_layer import gptq_spec

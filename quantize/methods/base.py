@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 PROPAGATIONS = ("fp", "quantized", "none")
 # the key of a layer's statistics under which a method reports each linear's relative output error on its
-# calibration inputs (`quantize/output_error.py`); the job files these apart, the manifest keeps them as
+# calibration inputs (`quantize/methods/output_error.py`); the job files these apart, the manifest keeps them as
 # `output_error`, the report and model card show the worst
 ERRORS = "output_error"  # what a method's layer inputs are (see `Method.propagation`)
 

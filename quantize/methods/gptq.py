@@ -2,7 +2,7 @@
 Hessian of its calibration inputs, every layer on the outputs of the already quantized ones.
 
 The method's facts and recipe section (`gptq:`); its per-layer job is `gptq_layer.py`, its maths
-`quantize/gptq.py`.
+`quantize/methods/gptq_sweep.py`.
 """
 
 from __future__ import annotations

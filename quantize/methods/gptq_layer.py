@@ -1,5 +1,5 @@
 """GPTQ's per-layer job: per sequential stage, Hessians of the inputs (on quantized predecessors), then the
-column sweep of `quantize/gptq.py`; a mixture-of-experts block expert by expert on its routed tokens.
+column sweep of `quantize/methods/gptq_sweep.py`; a mixture-of-experts block expert by expert on its routed tokens.
 
 Under several ranks the Hessians are summed over the ranks' shares of the batches and each sweep's rows are
 split between them (docs/DISTRIBUTED.md).
@@ -11,12 +11,12 @@ import logging
 
 import torch
 
-from .. import gptq, output_error
-from ..arch import Arch, layer_prefix
-from ..capture import LayerData, feed_inputs
-from ..device import clock as _clock
-from ..device import gptq_sweep, side_stream
-from ..distributed import Dist
+from . import gptq_sweep as gptq, output_error
+from ..source.arch import Arch, layer_prefix
+from ..capture.loop import LayerData, feed_inputs
+from ..capture.device import clock as _clock
+from ..capture.device import gptq_sweep, side_stream
+from ..capture.distributed import Dist
 from ..runlog import RunLog
 from .base import ERRORS
 from .layer import QuantResult, expert_hidden, feature_of, local_linears, moe_linears, read_back, routing, store, \

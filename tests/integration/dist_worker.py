@@ -15,9 +15,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline import cli  # noqa: E402
-from quantize import awq  # noqa: E402
+from quantize.methods import awq_search as awq  # noqa: E402
 from quantize.methods import awq_layer  # noqa: E402
-from quantize.capture import NumericalError  # noqa: E402
+from quantize.capture.loop import NumericalError  # noqa: E402
 
 MESSAGE = "injected failure on this rank"
 

@@ -13,10 +13,10 @@ import torch
 
 from eval.artifact import load_dequantized, read_tensors
 from quantize import runner
-from quantize.job import feature_names
+from quantize.capture.job import feature_names
 from quantize.methods import awq_layer
-from quantize.arch import ARCHITECTURES, attn_implementation, decoder_layers
-from quantize.capture import run_shared
+from quantize.source.arch import ARCHITECTURES, attn_implementation, decoder_layers
+from quantize.capture.loop import run_shared
 from quantize.recipe import load_recipe
 from tests.conftest import build_tokenizer, heldout_ids, kl_divergence, tiny_recipe
 
@@ -219,7 +219,7 @@ def test_folding_into_a_one_plus_w_norm_as_if_it_were_w_breaks_the_model(checkpo
 
 def test_gemma_in_float16_is_refused_before_any_work(checkpoints, tmp_path, monkeypatch):
     """vLLM serves Gemma in bfloat16 only: a float16 recipe is refused by the pre-flight, weights never loaded."""
-    from quantize import source
+    from quantize.source import load as source
 
     monkeypatch.setattr(source, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
     recipe = tiny_recipe(tmp_path, checkpoints["gemma2"], name="g2-fp16", dtype="float16")
@@ -249,7 +249,7 @@ def test_unsupported_architecture_names_what_the_table_lacks(tmp_path, capsys):
     lines = [x for x in err.splitlines() if x.startswith("error:")]
     assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
     msg = lines[0]
-    assert "['GPTNeoXForCausalLM'] is not supported" in msg and "the table in quantize/arch.py needs" in msg, msg
+    assert "['GPTNeoXForCausalLM'] is not supported" in msg and "the table in quantize/source/arch.py needs" in msg, msg
     assert "fused projections ['attention.query_key_value']" in msg, msg
     assert "norm kind" in msg and "LayerNorm" in msg and "input_layernorm" in msg, msg
     assert "experts" not in msg
@@ -259,7 +259,7 @@ def test_table_lacks_names_experts():
     """A mixture-of-experts config outside the table is described by its experts."""
     import transformers
 
-    from quantize.preflight import table_lacks
+    from quantize.preflight.checks import table_lacks
 
     cfg = transformers.OlmoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_experts=4, num_experts_per_tok=2)

@@ -10,7 +10,8 @@ import pytest
 from eval import serve
 from eval.serve import ServeError, Server, chat
 from eval.vllm_run import VllmError
-from quantize import runner, serve_config
+from quantize import runner
+from quantize.export import serve_config
 from tests.conftest import eval_main, tiny_recipe
 
 

@@ -3,8 +3,8 @@
 import torch
 from transformers import AutoModelForCausalLM
 
-from quantize.arch import arch_for
-from quantize.capture import first_layer_inputs
+from quantize.source.arch import arch_for
+from quantize.capture.loop import first_layer_inputs
 from tests.conftest import build_tiny_model
 
 
@@ -46,7 +46,7 @@ def test_each_layer_gets_the_kwargs_the_stack_hands_it(tmp_path):
 def test_cache_released_only_when_much_sits_unused(monkeypatch):
     from types import SimpleNamespace
 
-    from quantize import device
+    from quantize.capture import device
 
     released = []
     gib = 2**30
@@ -63,7 +63,7 @@ def test_cache_released_only_when_much_sits_unused(monkeypatch):
 
 
 def test_allocator_expandable_on_cuda_unless_the_user_chose(monkeypatch):
-    from quantize import device
+    from quantize.capture import device
 
     calls = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
@@ -87,7 +87,7 @@ def test_a_mistyped_allocator_setting_stops_the_run_in_preflight(monkeypatch):
     # torch's own parser (this CPU build has it too) rejects the value; the message names the variable
     import pytest
 
-    from quantize import device
+    from quantize.capture import device
     from quantize.errors import UserError
 
     monkeypatch.setenv(device.ALLOC_ENV, "expandable_segments:maybe")

@@ -8,10 +8,10 @@ import yaml
 from quantize.manifest import verify as verify_manifest
 from pipeline.compare import default_name, run_comparison, sizes
 from quantize import runner
-from quantize.modelcard import protocol_sentence
+from quantize.export.modelcard import protocol_sentence
 from quantize.recipe import load_recipe
 from quantize.runlog import RunLog
-from tests.conftest import tiny_recipe, write_recipe
+from tests.conftest import tiny_recipe
 
 
 def test_shared_pass_writes_the_same_bytes_as_separate_runs(tiny_qwen2, tmp_path):
@@ -50,7 +50,7 @@ def test_shared_pass_writes_the_same_bytes_as_separate_runs(tiny_qwen2, tmp_path
 def test_awq_variants_share_what_their_group_size_does_not_change(tiny_qwen2, tmp_path, monkeypatch):
     """Two AWQ group sizes in one pass compute the search's group-size-free parts (the inspected blocks' FP
     outputs, a single linear's Gram matrix) once per layer, not once per variant."""
-    from quantize import awq
+    from quantize.methods import awq_search as awq
 
     calls = []
     real = awq.loss_gram

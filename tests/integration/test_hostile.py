@@ -13,7 +13,8 @@ import pytest
 from safetensors import SafetensorError
 
 from pipeline import cli
-from quantize import export, runner
+from quantize import runner
+from quantize.export import write as export
 from tests.conftest import ROOT, tiny_recipe
 
 
@@ -342,7 +343,7 @@ CHECKPOINT_CASES = {
 def test_checkpoint_must_match_its_config_before_weights(tiny_llama, tmp_path, monkeypatch, capsys, how, method):
     import re
 
-    from quantize import source
+    from quantize.source import load as source
 
     d = _broken(tiny_llama, tmp_path, how)
     monkeypatch.setattr(source, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
@@ -357,8 +358,8 @@ def test_tied_checkpoint_without_lm_head_and_sharded_checkpoint_pass(tmp_path, t
     """What the check must accept: a tied lm_head absent from the files; an index and its shards."""
     import shutil
 
-    from quantize import integrity, source
-    from quantize.arch import arch_for
+    from quantize.source import integrity, load as source
+    from quantize.source.arch import arch_for
     from tests.conftest import build_tiny_model
 
     for d in (build_tiny_model(tmp_path / "tied", "llama", layers=1, tie=True), tiny_qwen2):
@@ -398,8 +399,8 @@ def _gguf(path: Path, arch: str) -> Path:
 
 def test_unsupported_gguf_refused_from_its_header(tiny_llama, tmp_path, monkeypatch, capsys):
     """Read from the header: no conversion, no hash of the whole file, nothing written."""
-    from quantize import source
-    from quantize.arch import GGUF_ARCHITECTURES, UnsupportedArchitecture
+    from quantize.source import load as source
+    from quantize.source.arch import GGUF_ARCHITECTURES, UnsupportedArchitecture
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(cache))
@@ -429,7 +430,7 @@ def test_bad_gguf_is_one_line(tmp_path, monkeypatch, capsys, tiny_llama):
 def test_damaged_gguf_cache_is_rebuilt(tiny_llama, tmp_path, monkeypatch, caplog):
     import shutil
 
-    from quantize import source
+    from quantize.source import load as source
 
     monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(tmp_path / "cache"))
     conversions = []
@@ -470,7 +471,7 @@ CALIB_CASES = {
 def test_bad_calibration_file_is_one_line_before_weights(tiny_llama, tmp_path, monkeypatch, capsys, fname):
     import re
 
-    from quantize import source
+    from quantize.source import load as source
 
     content, pattern = CALIB_CASES[fname]
     (tmp_path / fname).write_bytes(content)
@@ -487,7 +488,7 @@ def test_bad_calibration_file_is_one_line_before_weights(tiny_llama, tmp_path, m
 def test_perplexity_window_longer_than_the_text(tiny_llama, tmp_path, monkeypatch, capsys):
     """Pre-flight tokenizes the eval text: a window longer than it is refused before any weight loads; the eval
     command on an existing artifact says the same."""
-    from quantize import source
+    from quantize.source import load as source
 
     text = tmp_path / "short.txt"
     text.write_text("Only a few words to score.\n")
@@ -510,7 +511,7 @@ def test_perplexity_window_longer_than_the_text(tiny_llama, tmp_path, monkeypatc
 
 
 def test_missing_eval_text_refused_before_weights(tiny_llama, tmp_path, monkeypatch, capsys):
-    from quantize import source
+    from quantize.source import load as source
 
     monkeypatch.setattr(source, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
     recipe = tiny_recipe(tmp_path, tiny_llama, name="ev", method="rtn",
@@ -523,7 +524,7 @@ def test_missing_eval_text_refused_before_weights(tiny_llama, tmp_path, monkeypa
 
 def test_absurd_sample_count_is_named_by_the_text_not_the_disk(tiny_llama, tmp_path, monkeypatch, capsys):
     """n_samples 1e9 would also need petabytes of checkpoint: the count against the text is the cause to name."""
-    from quantize import source
+    from quantize.source import load as source
 
     monkeypatch.setattr(source, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
     recipe = tiny_recipe(tmp_path, tiny_llama, name="ns", calibration=dict(dataset="groups-merged",
@@ -534,7 +535,7 @@ def test_absurd_sample_count_is_named_by_the_text_not_the_disk(tiny_llama, tmp_p
 
 
 def test_cache_directory_that_is_a_file_is_named(tiny_llama, tmp_path, monkeypatch, capsys):
-    from quantize import source
+    from quantize.source import load as source
 
     monkeypatch.setattr(source, "_convert_gguf", lambda *a: pytest.fail("converted into a cache that is a file"))
     f = _gguf(tmp_path / "m.gguf", "llama")

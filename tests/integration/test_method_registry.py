@@ -37,7 +37,7 @@ class ToyClip(methods.Method):
 
     def layer(self, data, job) -> dict:
         from quantize.methods.layer import feature_of, local_linears, store
-        from quantize.primitives import dequantize, quantize_for_export
+        from quantize.methods.primitives import dequantize, quantize_for_export
 
         r, shrinks, chosen = job.recipe, self.section(job.recipe).shrinks, {}
         for n in local_linears(job.arch, data.index, job.convert):

@@ -13,14 +13,16 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from eval.artifact import empty_model, load_dequantized
-from quantize import awq, gptq, modelcard, runner
-from quantize.arch import all_linears, arch_for, checkpoint_name, get_module
-from quantize.capture import LayerData, first_layer_inputs
-from quantize.job import Job
+from quantize import runner
+from quantize.methods import awq_search as awq, gptq_sweep as gptq
+from quantize.export import modelcard
+from quantize.source.arch import all_linears, arch_for, checkpoint_name, get_module
+from quantize.capture.loop import LayerData, first_layer_inputs
+from quantize.capture.job import Job
 from quantize.methods.awq_layer import norm_consumers
 from quantize.methods.layer import expert_tokens
 from quantize.recipe import load_recipe
-from quantize.experts import ExpertList, split_experts
+from quantize.source.experts import ExpertList, split_experts
 from quantize.files import sha256_file
 from tests.conftest import build_tiny_model, heldout_ids, kl_divergence, tiny_recipe
 

@@ -7,7 +7,7 @@ import pytest
 
 from eval.vllm_run import VllmError
 from quantize import runner
-from quantize.preflight import CPU_MOE_REFUSED, LayerCheck, Plan, cpu_moe_refusal
+from quantize.preflight.checks import CPU_MOE_REFUSED, LayerCheck, Plan, cpu_moe_refusal
 from tests.conftest import build_tiny_model, tiny_recipe
 from tests.integration import vllm_load_only
 

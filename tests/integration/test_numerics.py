@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quantize import runner
-from quantize.capture import NumericalError
+from quantize.capture.loop import NumericalError
 from pipeline.cli import main as cli_main
 from tests.conftest import build_tiny_model, tiny_recipe
 

@@ -14,7 +14,10 @@ import torch
 from safetensors import safe_open
 
 from pipeline import cli
-from quantize import calib, export, lock, preflight, runner, source
+from quantize import calib, lock, runner
+from quantize.export import write as export
+from quantize.preflight import checks as preflight
+from quantize.source import load as source
 from tests.conftest import build_tiny_model, tiny_recipe
 
 
@@ -122,7 +125,7 @@ def test_tied_embeddings_stay_tied_and_unwritten(tmp_path):
 def test_untied_model_reports_untied(tiny_llama):
     from transformers import AutoConfig
 
-    from quantize.arch import arch_for
+    from quantize.source.arch import arch_for
     from quantize.methods.layer import is_skipped
     from quantize.recipe import Recipe
 

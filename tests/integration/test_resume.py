@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from quantize import runner
-from quantize.capture import LayerData
+from quantize.capture.loop import LayerData
 from tests.conftest import build_tiny_model, tiny_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +79,7 @@ def test_killed_run_resumes_and_writes_identical_files(deep_qwen2, tmp_path, met
 def test_checkpoint_of_another_run_is_discarded(deep_qwen2, tmp_path, monkeypatch, caplog):
     """Crash (fault injection) after layer 4 of one recipe, then change the recipe: the stale checkpoint must be
     discarded and the result equal a clean run of the changed recipe."""
-    from quantize import job
+    from quantize.capture import job
 
     first = tiny_recipe(tmp_path, deep_qwen2, name="ck", checkpoint_every_s=0)
     real = job.Job.process
@@ -104,7 +104,7 @@ def test_checkpoint_of_another_run_is_discarded(deep_qwen2, tmp_path, monkeypatc
 
 
 def _crash_after_layer_4(monkeypatch, recipe, out_root):
-    from quantize import job
+    from quantize.capture import job
 
     real = job.Job.process
 
@@ -149,7 +149,7 @@ def test_disk_full_while_saving_a_checkpoint(deep_qwen2, tmp_path, monkeypatch, 
     import errno
 
     from pipeline import cli
-    from quantize import checkpoint
+    from quantize.capture import checkpoint
 
     recipe = tiny_recipe(tmp_path, deep_qwen2, name="full", checkpoint_every_s=0, awq=dict(n_grid=2, clip_grid=2))
     real, calls = checkpoint.torch.save, []

@@ -9,8 +9,9 @@ import yaml
 
 from eval import serve
 from eval.serve import Server, ServeError, chat, served_models
-from quantize import runner, serve_config
-from quantize.preflight import PreflightError
+from quantize import runner
+from quantize.export import serve_config
+from quantize.preflight.checks import PreflightError
 from tests.conftest import tiny_recipe
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eval.perplexity import Protocol, load_eval_text, perplexity, windows
-from quantize import source
+from quantize.source import load as source
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,10 @@ import torch
 from safetensors import safe_open
 
 from eval.artifact import dequantized_state_dict, load_dequantized
-from quantize import export, runner
+from quantize import runner
+from quantize.export import write as export
 from quantize.files import sha256_file
-from quantize.arch import UnsupportedArchitecture
+from quantize.source.arch import UnsupportedArchitecture
 from quantize.formats.awq_gemm import AWQ_ORDER
 from quantize.formats.packing import unpack_int32
 from tests.conftest import KEPT_16BIT, heldout_ids, kl_divergence as _kl, build_tiny_model, tiny_recipe

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from quantize.arch import (ARCHITECTURES, GGUF_ARCHITECTURES, active_scale_groups, arch_for,
+from quantize.source.arch import (ARCHITECTURES, GGUF_ARCHITECTURES, active_scale_groups, arch_for,
                            check_gguf_architecture, decoder_layers)
 
 
@@ -60,7 +60,7 @@ def test_fused_slices_fold_only_where_the_slices_are_equal():
 def test_olmo2_scales_only_what_a_linear_feeds():
     """OLMo 2 has no norm before attention or MLP: only v -> o and up -> down fold; q/k/v and gate/up still
     share one captured input each."""
-    from quantize.job import feature_names
+    from quantize.capture.job import feature_names
 
     arch, layer = _layer("Olmo2ForCausalLM")
     assert [g.prev for g in active_scale_groups(layer, arch)] == ["self_attn.v_proj", "mlp.up_proj"]
@@ -87,7 +87,7 @@ def test_unquantized_linears_stay_16bit_in_the_plan():
     import transformers
 
     from quantize.methods.layer import is_skipped
-    from quantize.preflight import plan
+    from quantize.preflight.checks import plan
     from quantize.recipe import load_recipe
 
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
@@ -96,4 +96,4 @@ def test_unquantized_linears_stay_16bit_in_the_plan():
     arch = replace(arch_for(cfg), unquantized=("mlp.down_proj",))
     p = plan(cfg, arch, load_recipe("smollm2-awq-g64"), is_skipped)
     assert "model.layers.0.mlp.down_proj" not in p.convert and len(p.convert) == 6
-    assert "quantize/arch.py: unquantized" in p.skipped["model.layers.0.mlp.down_proj"]
+    assert "quantize/source/arch.py: unquantized" in p.skipped["model.layers.0.mlp.down_proj"]

@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from quantize import awq, gptq
-from quantize.primitives import dequantize, fake_quant, quantize
+from quantize.methods import awq_search as awq, gptq_sweep as gptq
+from quantize.methods.primitives import dequantize, fake_quant, quantize
 
 SPEC = awq.QSpec(4, 32, symmetric=False)
 

@@ -65,13 +65,13 @@ def test_packer_round_trip(bits):
 
 
 def test_checkpoint_codes_round_trip():
-    """Per-layer checkpoints store 4-bit codes through the same packer, wider codes as they are."""
-    from quantize.job import _from_nibbles, _nibbles
+    """Per-layer checkpoints store 4-bit codes two to a byte, wider codes as they are."""
+    from quantize.capture.job import _from_nibbles, _nibbles
 
     gen = torch.Generator().manual_seed(0)
     four = torch.randint(0, 16, (4, 64), generator=gen, dtype=torch.uint8)
     eight = torch.randint(0, 256, (4, 64), generator=gen, dtype=torch.uint8)
-    assert set(_nibbles(four)) == {"int4"} and _nibbles(four)["int4"].numel() == four.numel() // 8
+    assert set(_nibbles(four)) == {"u4"} and _nibbles(four)["u4"].numel() == four.numel() // 2
     assert set(_nibbles(eight)) == {"raw"}
     for codes in (four, eight):
         back = _from_nibbles(_nibbles(codes))

@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from quantize import capacity, modelcard
+from quantize.export import capacity, modelcard
 from quantize.records import Report
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,8 +19,11 @@ def _user_error_classes() -> list[type]:
     """Every exception class the project defines for its users, from the modules that raise them."""
     from eval import perplexity, serve, vllm_run
     from pipeline import registry
-    from quantize import arch, calib, capture, device, distributed, export, lock, manifest, paths, preflight, \
-        recipe, source
+    from quantize import calib, lock, manifest, paths, recipe
+    from quantize.source import arch, load as source
+    from quantize.capture import loop as capture, device, distributed
+    from quantize.export import write as export
+    from quantize.preflight import checks as preflight
 
     mods = (arch, calib, capture, device, distributed, export, lock, manifest, paths, preflight, recipe, source,
             perplexity, serve, vllm_run, registry)

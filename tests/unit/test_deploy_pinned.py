@@ -25,11 +25,11 @@ RECIPES = ("qwen7b-awq-g32", "qwen7b-awq-g64", "qwen7b-awq-g128", "qwen7b-gptq-g
 
 def answers() -> dict:
     """{recipe: {"vllm": version, "cells": {"<capability>/tp<n>/<dtype>": "<verdict>: module=kernel, ..."}}}"""
-    from quantize import deploy
-    from quantize.arch import arch_for
+    from quantize.preflight import deploy
+    from quantize.source.arch import arch_for
     from quantize.methods.layer import is_skipped
     from quantize.recipe import load_recipe
-    from quantize.source import ModelSource, read_config
+    from quantize.source.load import ModelSource, read_config
 
     out = {}
     for name in RECIPES:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from quantize import deploy
-from quantize.arch import arch_for
+from quantize.preflight import deploy
+from quantize.source.arch import arch_for
 from quantize.methods.layer import is_skipped
 from quantize.recipe import SERVE_CAPABILITIES, RecipeError, ServeTarget, list_recipes, load_recipe, load_variants
-from quantize.source import ModelSource, read_config
+from quantize.source.load import ModelSource, read_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

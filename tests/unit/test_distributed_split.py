@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from quantize.distributed import DistributedError, Dist, _portable
-from quantize.preflight import PreflightError
+from quantize.capture.distributed import DistributedError, Dist, _portable
+from quantize.preflight.checks import PreflightError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ import json
 import torch
 
 from eval import distribution, refcache
-from quantize import output_error
+from quantize.methods import output_error
 
 
 def _pair(t: int = 64, v: int = 300, noise: float = 0.5, seed: int = 0):

@@ -5,8 +5,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from quantize.arch import all_linears, arch_for, checkpoint_name, expert_linears, UnsupportedArchitecture
-from quantize.experts import ExpertList, split_experts
+from quantize.source.arch import all_linears, arch_for, checkpoint_name, expert_linears, UnsupportedArchitecture
+from quantize.source.experts import ExpertList, split_experts
 from tests.conftest import TINY
 
 

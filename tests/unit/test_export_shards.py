@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quantize.export import write_sharded
+from quantize.export.write import write_sharded
 
 INDEX = "model.safetensors.index.json"
 SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")

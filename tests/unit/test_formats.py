@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from quantize import formats, methods
-from quantize.primitives import dequantize, quantize_for_export
+from quantize.methods.primitives import dequantize, quantize_for_export
 from quantize.recipe import Recipe
 
 BASE = dict(name="x", model="some/model", w_bit=4, q_group_size=64)

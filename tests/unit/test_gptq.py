@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from quantize import gptq
-from quantize.primitives import dequantize, fake_quant
+from quantize.methods import gptq_sweep as gptq
+from quantize.methods.primitives import dequantize, fake_quant
 
 
 def _data(out_f=32, in_f=128, t=512, seed=0):
@@ -210,7 +210,7 @@ def test_row_concatenation_equals_separate_calls(case):
 
 
 def test_kernel_choice_on_cpu(monkeypatch):
-    from quantize import device
+    from quantize.capture import device
 
     cpu = torch.device("cpu")
     w, H, spec = _case_data(SWEEP_CASES[0])
@@ -220,7 +220,7 @@ def test_kernel_choice_on_cpu(monkeypatch):
     with pytest.raises(RuntimeError, match="needs CUDA.*advanced.gptq.kernel: torch"):
         device.gptq_sweep("triton", cpu)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setitem(__import__("sys").modules, "quantize.gptq_triton", None)  # as if triton were missing
+    monkeypatch.setitem(__import__("sys").modules, "quantize.methods.gptq_triton", None)  # as if triton were missing
     monkeypatch.delattr(__import__("quantize"), "gptq_triton", raising=False)  # imported earlier on a CUDA host
     with pytest.raises(RuntimeError, match="triton does not import"):
         device.gptq_sweep("triton", cpu)
@@ -241,7 +241,7 @@ def test_quantize_many_equals_separate_calls():
 
 def test_one_side_stream_per_device(monkeypatch):
     # the caching allocator pools blocks per stream: a fresh stream per layer would strand each layer's blocks
-    from quantize import device
+    from quantize.capture import device
 
     made = []
     monkeypatch.setattr(device, "_SIDE_STREAMS", {})

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def compare(device: str) -> list[dict]:
     """Every sweep case, quantized by both kernels on `device` -> per case: which fields are equal."""
-    from quantize import device as dev
-    from quantize import gptq
+    from quantize.capture import device as dev
+    from quantize.methods import gptq_sweep as gptq
     from tests.unit.test_gptq import SWEEP_CASES, _case_data
 
     out = []

@@ -9,21 +9,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("quantize", "eval", "pipeline")
 LAYER = {"quantize": 0, "eval": 1, "pipeline": 2}  # a package may import its own layer and those below
-ALGORITHMS = ("quantize.awq", "quantize.gptq", "quantize.primitives")
+ALGORITHMS = ("quantize.methods.awq_search", "quantize.methods.gptq_sweep", "quantize.methods.primitives")
 # Imported inside functions only where a path may not need them and they cost seconds to import (or are
 # optional extras): everything else is imported at the top of its module.
 LAZY_OK = {"transformers", "datasets", "huggingface_hub", "gguf", "mlflow", "sqlalchemy", "matplotlib", "vllm",
-           "compressed_tensors", "quantize.gptq_triton"}
+           "compressed_tensors", "quantize.methods.gptq_triton"}
 # Modules read by the command line's light commands (`--help`, `list`, `validate`), which import no torch: the
 # CLI imports each stage inside the command that runs it, the formats' facts import their layouts where they
 # pack or decode, a method's facts import its per-layer job where a layer is processed.
-DEFERS = {          "quantize.formats": ("quantize.formats.", "quantize.primitives", "torch"),
+DEFERS = {          "quantize.formats": ("quantize.formats.", "quantize.methods.primitives", "torch"),
           "quantize.methods.": ("quantize.methods.layer", "quantize.methods.awq_layer", "quantize.methods.gptq_layer"),
           # the deployability table: pre-flight reads its facts; its child process and command line import vLLM,
           # torch and the model code only where they run
-          "quantize.deploy": ("",), "quantize.vllm_kernels": ("",),
+          "quantize.preflight.deploy": ("",), "quantize.preflight.vllm_kernels": ("",),
           # pre-flight's refusal of serve.targets reads config.json through these before any torch import
-          "quantize.arch": ("torch",), "quantize.source": ("torch",),
+          "quantize.source.arch": ("torch",), "quantize.source.load": ("torch",),
           "eval.lmeval": ("",),  # lm-eval (an optional extra) and its task files, only when a recipe asks for tasks
           "pipeline.cli": ("quantize.", "pipeline.", "torch", "subprocess")}
 
@@ -96,7 +96,7 @@ def test_algorithms_know_no_device_and_no_transformers():
     modules = _modules()
     for m in ALGORITHMS:
         names = {t for t, _ in _imports(m, modules[m], modules)}
-        bad = {t for t in names if t in ("quantize.device", "quantize.capture") or t.split(".")[0] == "transformers"}
+        bad = {t for t in names if t in ("quantize.capture.device", "quantize.capture.loop") or t.split(".")[0] == "transformers"}
         assert not bad, f"{m} imports {sorted(bad)}"
 
 

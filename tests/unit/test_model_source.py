@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from quantize import source
+from quantize.source import load as source
 
 
 @pytest.fixture

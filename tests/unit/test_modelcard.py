@@ -8,7 +8,7 @@ import json
 import pytest
 from huggingface_hub import ModelCard
 
-from quantize import modelcard
+from quantize.export import modelcard
 
 MANIFEST = {
     "artifact": "smollm2-awq-g64",

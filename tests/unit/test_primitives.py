@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from quantize.primitives import dequantize, fake_quant, qparams, quantize, quantize_for_export
+from quantize.methods.primitives import dequantize, fake_quant, qparams, quantize, quantize_for_export
 
 
 @pytest.mark.parametrize("symmetric", [False, True])

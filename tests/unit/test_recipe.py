@@ -159,10 +159,10 @@ def _plan_on_real_config(config: str, recipe: str):
     """The pre-flight plan of a shipped recipe on a real model's config from bench/configs (meta device)."""
     from pathlib import Path
 
-    from quantize.arch import arch_for
+    from quantize.source.arch import arch_for
     from quantize.methods.layer import is_skipped
-    from quantize.preflight import plan
-    from quantize.source import ModelSource, read_config
+    from quantize.preflight.checks import plan
+    from quantize.source.load import ModelSource, read_config
 
     cfg = read_config(ModelSource("x", Path(__file__).resolve().parents[2] / "bench" / "configs" / config, "dir"))
     return plan(cfg, arch_for(cfg), load_recipe(recipe), is_skipped)

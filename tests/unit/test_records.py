@@ -6,12 +6,12 @@ and a damaged record a user hands in is one `error:` line."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from quantize import manifest, modelcard
+from quantize import manifest
+from quantize.export import modelcard
 from quantize.records import Manifest, Report
 
 RECORDS = Path(__file__).resolve().parents[1] / "golden" / "records"

@@ -6,8 +6,8 @@ import socket
 import pytest
 
 from eval.serve import free_port, server_command
-from quantize import serve_config
-from quantize.preflight import LayerCheck, Plan
+from quantize.export import serve_config
+from quantize.preflight.checks import LayerCheck, Plan
 from quantize.recipe import KV_CACHE_DTYPES, Recipe
 
 

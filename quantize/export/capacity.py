@@ -11,7 +11,7 @@ GB are decimal (10^9 bytes), as GPUs are sold.
 
 from __future__ import annotations
 
-from .records import Capacity
+from ..records import Capacity
 
 GPU_GB = (24, 48, 80, 141)  # common cards: L4/3090/4090-class, L40S/A6000, A100/H100 80GB, H200
 UTILIZATION = 0.9

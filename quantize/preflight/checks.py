@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .errors import UserError
-from . import deploy, formats
-from .arch import ARCHITECTURES, Arch, all_linears, checkpoint_name, decoder_layers, layer_prefix
-from .experts import split_experts
-from .recipe import Recipe
+from ..errors import UserError
+from .. import formats
+from . import deploy
+from ..source.arch import ARCHITECTURES, Arch, all_linears, checkpoint_name, decoder_layers, layer_prefix
+from ..source.experts import split_experts
+from ..recipe import Recipe
 
 TP_SIZES = (1, 2, 4, 8)
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # how configs count experts per layer
@@ -156,7 +157,7 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
         for n in linears:
             full = f"{prefix}.{n}"
             if n not in wanted:
-                out.skipped[full] = ("kept 16-bit by the architecture table (quantize/arch.py: unquantized)"
+                out.skipped[full] = ("kept 16-bit by the architecture table (quantize/source/arch.py: unquantized)"
                                      if n in arch.unquantized else "modules_to_not_convert")
                 continue
             out_f, in_f = layer.get_submodule(n).weight.shape
@@ -353,7 +354,7 @@ def pick_device(recipe: Recipe) -> torch.device:
 
 
 def table_lacks(config, trust_remote_code: bool = False) -> str:
-    """What the architecture table (quantize/arch.py) would have to describe for this unsupported model, read
+    """What the architecture table (quantize/source/arch.py) would have to describe for this unsupported model, read
     from its config and a meta-device instance -> one line: experts, fused projections, linears no entry names,
     the norms (their kind, w or 1 + w, and which linears each feeds)."""
     from transformers import AutoModelForCausalLM

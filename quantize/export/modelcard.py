@@ -14,8 +14,10 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from . import capacity, formats, output_error, serve_config
-from .records import Calibration, Distribution, LmEval, Manifest, Protocol, Report
+from .. import formats
+from . import capacity, serve_config
+from ..methods import output_error
+from ..records import Calibration, Distribution, LmEval, Manifest, Protocol, Report
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +202,7 @@ ERROR_PLOT = "output-error.png"  # each linear's relative output error over dept
 
 
 def plot_errors(manifest: Manifest | dict, path: Path) -> bool:
-    """The manifest's per-linear output errors (`quantize.output_error`) over depth, a line per linear name,
+    """The manifest's per-linear output errors (`quantize.methods.output_error`) over depth, a line per linear name,
     written to `path` -> whether it was drawn (not for a manifest without them, or without matplotlib)."""
     m = Manifest.of(manifest)
     curves = output_error.by_depth(m.output_error or {})

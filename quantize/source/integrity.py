@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from .arch import Arch, checkpoint_name
 from .experts import split_experts
-from .source import ModelSource, ModelSourceError, brief
+from .load import ModelSource, ModelSourceError, brief
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -16,8 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.nn as nn
 
-from . import gptq
-from .errors import UserError
+from ..methods import gptq_sweep as gptq
+from ..errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def gptq_sweep(kernel: str, device: torch.device) -> gptq.Sweep:
         why = f"the tensors are on {device.type}; the Triton kernel needs CUDA (or TRITON_INTERPRET=1)"
     else:
         try:
-            from . import gptq_triton  # imports triton, which is optional
+            from ..methods import gptq_triton  # imports triton, which is optional
         except ImportError as e:
             why = f"triton does not import ({e})"
         else:

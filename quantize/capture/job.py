@@ -12,15 +12,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from . import methods
-from .arch import Arch, layer_prefix
-from .capture import LayerData, NumericalError
+from .. import methods
+from ..source.arch import Arch, layer_prefix
+from .loop import LayerData, NumericalError
 from .device import clock as _clock
 from .distributed import Dist
-from .formats.packing import unpack_int32
-from .methods.base import ERRORS
-from .methods.layer import QuantResult, feature_of, local_linears, moe_linears
-from .runlog import RunLog
+from ..methods.base import ERRORS
+from ..methods.layer import QuantResult, feature_of, local_linears, moe_linears
+from ..runlog import RunLog
 
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}  # recipe dtype names
@@ -124,8 +123,6 @@ def _nibbles(codes: torch.Tensor) -> dict:
 def _from_nibbles(d: dict) -> torch.Tensor:
     if "raw" in d:
         return d["raw"]
-    if "int4" in d:  # eight to an int32 (`pack_int32`)
-        return unpack_int32(d["int4"], 4).to(torch.uint8)  # [out, in]
     u4 = d["u4"]
     return torch.stack([u4 & 15, u4 >> 4], dim=-1).reshape(u4.shape[0], -1)  # [out, in]
 

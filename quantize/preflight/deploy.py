@@ -23,9 +23,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import formats
-from .errors import UserError
-from .recipe import SERVE_CAPABILITIES as CAPABILITIES  # Turing .. Blackwell
+from .. import formats
+from ..errors import UserError
+from ..recipe import SERVE_CAPABILITIES as CAPABILITIES  # Turing .. Blackwell
 
 TP_SIZES = (1, 2, 4, 8)
 DTYPES = ("float16", "bfloat16")
@@ -89,7 +89,7 @@ def vllm_modules(linears: dict[str, tuple[int, int]], arch, config) -> list[dict
 
 
 def _expert_modules(linears: dict[str, tuple[int, int]], arch, config) -> list[dict]:
-    from .arch import expert_count
+    from ..source.arch import expert_count
 
     if arch.experts is None:
         return []
@@ -209,7 +209,7 @@ def ask_vllm(queries: list[dict], timeout_s: int = CHILD_TIMEOUT_S) -> list[dict
     missing = [(k, q) for k, q in zip(keys, queries) if not cached[k].is_file()]
     if missing:
         env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "PYTHONPATH": _pythonpath()}
-        proc = subprocess.run([sys.executable, "-m", "quantize.vllm_kernels"], input=json.dumps(
+        proc = subprocess.run([sys.executable, "-m", "quantize.preflight.vllm_kernels"], input=json.dumps(
             {"queries": [q for _, q in missing]}), capture_output=True, text=True, timeout=timeout_s, env=env)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(ANSWER_PREFIX)), None)
         if line is None:
@@ -372,7 +372,7 @@ def compact(table: dict, dtype: str) -> dict:
 def config_linears(config, arch) -> dict[str, tuple[int, int]]:
     """A model config -> one decoder layer's quantizable linears {local name: (in, out)}, from the architecture
     table's shapes (`arch.linear_shapes`: no model is built, no torch is imported)."""
-    from .arch import linear_shapes
+    from ..source.arch import linear_shapes
 
     return linear_shapes(arch, config)
 
@@ -400,7 +400,7 @@ def disagreements(q: dict, rules: dict, vllm: dict) -> list[str]:
 
 def recipe_modules(recipe, config, arch, is_skipped) -> list[dict]:
     """The vLLM modules a recipe converts, from the model's config alone (shapes of decoder layer 0)."""
-    from .arch import layer_prefix
+    from ..source.arch import layer_prefix
 
     prefix = layer_prefix(arch, 0)
     linears = {n: s for n, s in config_linears(config, arch).items()
@@ -476,8 +476,8 @@ def refuse_targets_early(recipe, out: Path, force: bool) -> None:
     output, custom code the recipe does not trust)."""
     if not recipe.serve.targets or (out.exists() and not force):
         return
-    from .arch import arch_for
-    from .source import config_json
+    from ..source.arch import arch_for
+    from ..source.load import config_json
 
     try:
         config = config_json(recipe.model, recipe.trust_remote_code)
@@ -507,14 +507,14 @@ def recipe_table(recipe, config, arch, is_skipped, use_vllm: bool | None = None)
 # ---- command line: the tables of recipes (docs/DEPLOY.md is generated with it) ----
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m quantize.deploy RECIPE... [--config DIR] [--markdown]: each recipe's deployability table."""
+    """python -m quantize.preflight.deploy RECIPE... [--config DIR] [--markdown]: each recipe's deployability table."""
     import argparse
 
-    from .arch import arch_for
-    from .recipe import load_variants
-    from .source import ModelSource, read_config, resolve
+    from ..source.arch import arch_for
+    from ..recipe import load_variants
+    from ..source.load import ModelSource, read_config, resolve
 
-    p = argparse.ArgumentParser(prog="python -m quantize.deploy", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m quantize.preflight.deploy", description=main.__doc__)
     p.add_argument("recipes", nargs="+")
     p.add_argument("--config", help="a directory with the model's config.json (e.g. bench/configs/qwen2.5-7b), "
                                     "instead of resolving the recipe's model")

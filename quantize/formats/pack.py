@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import formats
+from .. import formats
 
 
 def _on(device: torch.device, fn):

@@ -16,12 +16,12 @@ from typing import Protocol
 
 import torch
 import torch.nn as nn
-from .errors import UserError
-from .arch import Arch, decoder_layers, get_module
+from ..errors import UserError
+from ..source.arch import Arch, decoder_layers, get_module
 from .device import Uploader, clock, device_copy, release_cache
 from .distributed import Dist
-from .progress import Progress
-from .runlog import RunLog
+from ..progress import Progress
+from ..runlog import RunLog
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from .errors import UserError
+from ..errors import UserError
 
 if TYPE_CHECKING:  # torch takes seconds to import: pre-flight's refusals from config.json alone need none of it
     import torch.nn as nn
@@ -318,7 +318,7 @@ def _check_every_layer_sparse(config, name: str) -> None:
     if dense or step != 1:
         raise UnsupportedArchitecture(
             f"{name}: a mix of dense and sparse layers (mlp_only_layers {dense}, decoder_sparse_step {step}) is "
-            f"not supported; only models whose every layer is a mixture of experts are (quantize/arch.py)")
+            f"not supported; only models whose every layer is a mixture of experts are (quantize/source/arch.py)")
 
 
 def expert_count(arch: Arch, config) -> int:
@@ -398,5 +398,5 @@ def linear_shapes(arch: Arch, config) -> dict[str, tuple[int, int]]:
                       f"{prefix}.up_proj": (sizes["hidden"], sizes[inter]),
                       f"{prefix}.down_proj": (sizes[inter], sizes["hidden"])}
     missing = [n for n in all_linears(arch, config) if n not in table]
-    assert not missing, f"quantize/arch.py: no shapes entry for {missing}"
+    assert not missing, f"quantize/source/arch.py: no shapes entry for {missing}"
     return {n: table[n] for n in all_linears(arch, config) if n not in arch.unquantized}

@@ -1,6 +1,6 @@
 """Child process: ask the installed vLLM which kernel it would run for each quantized module on a target GPU.
 
-Run as `python -m quantize.vllm_kernels` with `{"queries": [query, ...]}` (JSON, see `deploy.query`) on stdin; prints one line
+Run as `python -m quantize.preflight.vllm_kernels` with `{"queries": [query, ...]}` (JSON, see `deploy.query`) on stdin; prints one line
 `DEPLOY_ANSWER <json>` (vLLM logs to stdout too, so the parent matches that prefix). Never imported by the
 package itself: it imports vLLM and changes what vLLM's platform answers, which only a throw-away process may do.
 

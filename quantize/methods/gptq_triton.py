@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gptq import _block_start_qparams, lazy_update
+from .gptq_sweep import _block_start_qparams, lazy_update
 
 BLOCK_ROWS = 16  # rows per program: [16, 128] fp32 tile = 16 registers per thread at 4 warps
 _SCALE_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

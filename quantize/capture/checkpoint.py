@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from .export import DiskFullError, disk_full_errno
-from .files import atomic_write, atomic_write_text
-from .preflight import human_bytes
+from ..export.write import DiskFullError, disk_full_errno
+from ..files import atomic_write, atomic_write_text
+from ..preflight.checks import human_bytes
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from .errors import UserError
+from ..errors import UserError
 
 log = logging.getLogger(__name__)
 

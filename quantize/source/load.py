@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError, safe_open
 
-from .errors import UserError
+from ..errors import UserError
 from .arch import attn_implementation, check_gguf_architecture
-from .files import sha256_file
+from ..files import sha256_file
 
 if TYPE_CHECKING:  # torch takes seconds to import: pre-flight reads config.json before it needs torch
     import torch

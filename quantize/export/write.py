@@ -22,12 +22,12 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE
 from safetensors.torch import save_file
 
-from .errors import UserError
-from . import manifest
-from .records import Manifest
-from .files import fsync_path
-from .preflight import human_bytes
-from .recipe import parse_size
+from ..errors import UserError
+from .. import manifest
+from ..records import Manifest
+from ..files import fsync_path
+from ..preflight.checks import human_bytes
+from ..recipe import parse_size
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from . import formats
+from .. import formats
 
 SERVE_CONFIG = "vllm-serve.yaml"
 DEFAULT_PORT = 8000

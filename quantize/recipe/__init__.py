@@ -1,0 +1,24 @@
+"""Recipe schema: one YAML file per artifact, validated before any model loads.
+
+A recipe names the model, the method and its settings, the calibration text and the output format.
+`base: <recipe>` inherits another recipe and overrides keys (nested mappings merge key by key), so a
+group-size family is a few small files. Unknown keys, bad values and combinations vLLM cannot serve are
+refused with a message that names the key, the value and what is allowed.
+
+Settings that say what the artifact is or how good it is (method, bits, group size, symmetry, calibration, the
+AWQ and GPTQ settings of the papers and of AutoAWQ, incl. awq.search_tokens, whose default already subsamples)
+are top-level keys and sections. Speed experiments are under `advanced:`: their defaults are the plain
+algorithm, and changing one trades quality for time or changes only time and memory, as docs/BENCHMARKS.md
+measured for each:
+  advanced.awq.coarse_step   coarse-to-fine over the ratio grid (k = 4 missed the grid minimum: +0.07 ppl)
+  advanced.awq.grid_batch    candidates per matmul in single-linear groups (memory; exact)
+  advanced.gptq.kernel       the column sweep's implementation: auto (Triton on CUDA) | torch | triton (same codes)
+  advanced.gptq.update       the sweep's cross-block update in float32 or in TF32 operands (an approximation)
+"""
+
+# the package's names, so `from quantize.recipe import Recipe` reads the same from any module
+from .load import RECIPES_DIR, expand_sweep, list_recipes, load_recipe, load_variants, model_beside, recipe_path
+from .options import (Advanced, AdvancedAwq, AdvancedGptq, Calibration, EvalOptions, GROUP_SIZES, KV_CACHE_DTYPES,
+                      LmEvalOptions, MAX_KL, MIN_EXPERT_TOKENS, MIN_TOP1, MoeOptions, PerplexityOptions, RecipeError,
+                      SERVED_NAME, SERVE_CAPABILITIES, ServeOptions, ServeTarget, VllmSmokeOptions)
+from .schema import Recipe, parse_size

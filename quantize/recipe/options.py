@@ -1,0 +1,201 @@
+"""The recipe's sections (calibration, eval, serve, MoE, advanced) as strict schema classes, and the constants
+they check against."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..errors import UserError
+
+GROUP_SIZES = (-1, 32, 64, 128)  # -1 = per output channel (formats/ says which take it)
+
+
+class RecipeError(UserError, ValueError):
+    """A recipe a user wrote is wrong; the message says what to change."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Calibration(_Strict):
+    """Which text calibrates the activations, and how much of it."""
+
+    dataset: str = "groups-merged"  # groups-merged | wikitext2 (bundled) | pileval | a hub id (hub only) | a local file
+    n_samples: int = Field(128, gt=0)
+    seq_len: int = Field(512, gt=0)
+    seed: int = 0
+    split: str | None = None  # hub datasets only; default per dataset
+    text_column: str = "text"
+    subset: str | None = None  # hub dataset configuration name (e.g. wikitext-2-raw-v1)
+
+
+MIN_EXPERT_TOKENS = 128  # one GPTQ block / AWQ group of columns sees at least this many samples
+
+
+class MoeOptions(_Strict):
+    """Mixture-of-experts calibration (models with experts only; see docs/MOE.md).
+
+    Each routed expert is calibrated on the tokens the router sends to it. An expert that receives fewer than
+    min_expert_tokens of the calibration tokens is calibrated on every calibration token instead (its Hessian and
+    activation statistics would be too thin: with none, GPTQ would write all-zero weights); the manifest lists
+    every expert's routed token count and which experts took this rule.
+    """
+
+    min_expert_tokens: int = Field(MIN_EXPERT_TOKENS, ge=0)
+
+
+class AdvancedAwq(_Strict):
+    """AWQ search-speed experiments."""
+
+    # 1 = every grid point; k > 1 = every k-th, then refine by halving steps (k=4 missed the grid minimum of
+    # attention groups, whose loss is not unimodal in α: +0.07 ppl on SmolLM2, see docs/BENCHMARKS.md)
+    coarse_step: int = Field(1, gt=0)
+    grid_batch: int = Field(4, gt=0)  # candidates per matmul in single-linear groups (memory knob, exact)
+
+
+class AdvancedGptq(_Strict):
+    """GPTQ sweep-speed experiments."""
+
+    kernel: Literal["auto", "torch", "triton"] = "auto"  # column sweep; auto = triton on CUDA when it imports
+    # the sweep's cross-block update: float32, or tf32 operands (10-bit mantissa; tensor cores on CUDA, emulated
+    # elsewhere). An approximation: its quality and speed are measured in docs/BENCHMARKS.md
+    update: Literal["float32", "tf32"] = "float32"
+
+
+class Advanced(_Strict):
+    """Speed experiments, not quality settings: the defaults are the plain algorithm (module docstring)."""
+
+    awq: AdvancedAwq = AdvancedAwq()
+    gptq: AdvancedGptq = AdvancedGptq()
+
+
+class PerplexityOptions(_Strict):
+    """Perplexity protocol (defaults = the GPTQ/AWQ papers': WikiText-2 test, 2048-token windows)."""
+
+    dataset: str = "wikitext2"  # wikitext2 | a local .txt path
+    seq_len: int = Field(2048, gt=1)
+    max_windows: int | None = Field(None, gt=0)  # None = every full window
+
+
+class VllmSmokeOptions(_Strict):
+    enabled: bool = True
+    timeout_s: int = Field(600, gt=0)
+    max_tokens: int = Field(32, gt=0)
+    min_token_agreement: float = Field(0.6, ge=0, le=1)  # teacher-forced top-1 agreement with the FP16 model
+
+
+class LmEvalOptions(_Strict):
+    """lm-evaluation-harness tasks, scored on both models in the eval stage (eval/lmeval.py). Shipped tasks
+    (eval/tasks/, e.g. wikitext_continuation) need no network; any other lm-eval task needs its data."""
+
+    tasks: tuple[str, ...] = ()
+    limit: int | None = Field(None, gt=0)  # documents per task (None = all)
+    vllm: bool = True  # also score the artifact through lm-eval's vLLM backend where vLLM can serve it
+    timeout_s: int = Field(1800, gt=0)  # the vLLM backend's child process
+
+
+# Default distribution gates: a healthy 4-bit artifact passes them, one damaged linear fails them
+# (docs/BENCHMARKS.md: SmolLM2-135M, measured figures)
+MAX_KL = 0.5
+MIN_TOP1 = 0.6
+
+
+class EvalOptions(_Strict):
+    """What `make eval` measures, and the gates that fail it."""
+
+    enabled: bool = True  # make quantize runs eval unless false
+    perplexity: PerplexityOptions = PerplexityOptions()
+    max_ppl_delta: float | None = Field(None, ge=0)  # quantized ppl - FP16 ppl
+    max_ppl_delta_pct: float | None = Field(None, ge=0)  # 100 * delta / FP16 ppl
+    # per-token KL(reference || quantized) on the perplexity windows, mean in nats (eval/distribution.py)
+    max_kl: float | None = Field(MAX_KL, ge=0)
+    min_top1: float | None = Field(MIN_TOP1, ge=0, le=1)  # share of tokens whose most likely next token agrees
+    vllm: VllmSmokeOptions = VllmSmokeOptions()
+    lm_eval: LmEvalOptions = LmEvalOptions()
+
+
+# vLLM 0.32's --kv-cache-dtype choices for dense models (config/cache.py CacheDType); "auto" = the model dtype
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
+SERVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$"
+
+
+# GPU generations vLLM serves 4-bit weights on (compute capability), as pre-flight's deployability table lists them
+SERVE_CAPABILITIES = ("7.5", "8.0", "8.6", "8.9", "9.0", "10.0", "12.0")
+
+
+class ServeTarget(_Strict):
+    """A GPU generation and tensor-parallel size the artifact must be served at on a Marlin-class kernel."""
+
+    compute_capability: float  # 9.0 = Hopper (H100/H200); pre-flight refuses a target vLLM would serve slower
+    tensor_parallel_size: int = Field(1, gt=0)
+
+    @field_validator("compute_capability")
+    @classmethod
+    def _cc(cls, v: float) -> float:
+        if f"{v:.1f}" not in SERVE_CAPABILITIES:
+            raise ValueError(f"serve.targets compute_capability {v} is not one vLLM lists; use one of "
+                             f"{', '.join(SERVE_CAPABILITIES)}")
+        return v
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tp(cls, v: int) -> int:
+        if v not in (1, 2, 4, 8):
+            raise ValueError(f"serve.targets tensor_parallel_size {v} must be 1, 2, 4 or 8")
+        return v
+
+    @property
+    def capability(self) -> str:
+        return f"{self.compute_capability:.1f}"
+
+
+class ServeOptions(_Strict):
+    """How the artifact is served (written to its vllm-serve.yaml) and benchmarked (`make bench-serve`).
+
+    Shapes are checked against the model in pre-flight: tensor_parallel_size must be one of the sizes every
+    layer divides into, max_model_len at most the model's max_position_embeddings.
+    """
+
+    served_model_name: str | None = None  # None = the recipe name
+    max_model_len: int | None = Field(None, gt=0)  # None = the model's max_position_embeddings
+    tensor_parallel_size: int = Field(1, gt=0)
+    kv_cache_dtype: str | None = None  # None = vLLM's default (the model dtype)
+    concurrency: tuple[int, ...] = (1, 8, 32)  # make bench-serve's levels (requests in flight)
+    # GPUs the artifact must serve on with a Marlin-class kernel (pre-flight refuses otherwise); () = print the
+    # deployability table and warn
+    targets: tuple[ServeTarget, ...] = ()
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(SERVED_NAME, v):
+            raise ValueError(f"serve.served_model_name {v!r} must start with a letter or digit and hold only "
+                             f"letters, digits and . _ / : - (clients send it as the request's `model`)")
+        return v
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _kv(cls, v: str | None) -> str | None:
+        if v is not None and v not in KV_CACHE_DTYPES:
+            raise ValueError(f"serve.kv_cache_dtype {v!r} is not a vLLM KV-cache dtype; use one of "
+                             f"{list(KV_CACHE_DTYPES)} or leave it out")
+        return v
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tp(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"serve.tensor_parallel_size {v} must be a power of two (1, 2, 4, 8)")
+        return v
+
+    @field_validator("concurrency")
+    @classmethod
+    def _levels(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v or any(c <= 0 for c in v) or len(set(v)) != len(v):
+            raise ValueError(f"serve.concurrency {list(v)} must list distinct positive request counts, "
+                             f"e.g. [1, 8, 32]")
+        return tuple(sorted(v))

@@ -1,0 +1,160 @@
+"""The recipe: one validated object per artifact, its fields the YAML keys."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from .. import formats, methods
+from ..methods.awq import AwqOptions
+from ..methods.gptq import GptqOptions
+from .options import GROUP_SIZES, Advanced, Calibration, EvalOptions, MoeOptions, ServeOptions, _Strict
+
+
+class Recipe(_Strict):
+    """A validated recipe. Field names map 1:1 to the YAML keys."""
+
+    name: str
+    base: str | None = None
+    description: str = ""
+    model: str
+    method: str  # a registered method (quantize/methods): awq | gptq | rtn
+    w_bit: int = 4
+    q_group_size: int = 128
+    zero_point: bool = True  # AutoAWQ's key; false = symmetric (code inside the package says `symmetric`)
+    format: Literal[("auto", *formats.NAMES)] = "auto"  # auto: the method's default format
+    version: str = "gemm"  # AWQ kernel layout (format awq)
+    on_indivisible: Literal["error", "skip"] = "error"  # a layer whose in_features the group size does not divide
+    calibration: Calibration = Calibration()
+    # the built-in methods' sections, declared so that they keep their place in recipe.yaml; a method registered
+    # beside them brings its own section, validated by its `options` model and kept in `sections`
+    awq: AwqOptions = AwqOptions()
+    gptq: GptqOptions = GptqOptions()
+    sections: dict[str, Any] = Field(default_factory=dict, exclude=True)
+    eval: EvalOptions = EvalOptions()
+    serve: ServeOptions = ServeOptions()
+    modules_to_not_convert: tuple[str, ...] = ("lm_head",)
+    dtype: Literal["float16", "bfloat16"] = "float16"
+    compute_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    batch_size: int = Field(8, gt=0)  # calibration samples per forward
+    max_shard_size: str = "2GB"  # shards are hashed in parallel at export and at every verify: ~1 s each
+    # per-layer checkpoints (resume after a crash or kill): saved after a layer once this many seconds have
+    # passed since the last save; 0 = after every layer; null = never
+    checkpoint_every_s: float | None = Field(120.0, ge=0)
+    trust_remote_code: bool = False
+    advanced: Advanced = Advanced()
+    moe: MoeOptions | None = None  # mixture-of-experts settings; None = the defaults (`MoeOptions`)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _method_sections(cls, data: Any) -> Any:
+        """Move the sections of registered methods that are not declared fields into `sections`."""
+        if not isinstance(data, dict) or "sections" in data:
+            return data
+        own = {n: data[n] for n in methods.names() if n not in cls.model_fields and n in data}
+        return {**{k: v for k, v in data.items() if k not in own}, "sections": own} if own else data
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, v: str) -> str:
+        if v not in methods.REGISTRY:
+            raise ValueError(f"method {v!r} is unknown; use one of {methods.names()}")
+        return v
+
+    @field_validator("q_group_size")
+    @classmethod
+    def _group(cls, v: int) -> int:
+        if v not in GROUP_SIZES:
+            raise ValueError(f"q_group_size {v} is not allowed; use one of {list(GROUP_SIZES)}")
+        return v
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _shard(cls, v: str) -> str:
+        parse_size(v)
+        return v
+
+    @property
+    def served_name(self) -> str:
+        """The model name clients send to the server: serve.served_model_name, else the recipe name."""
+        return self.serve.served_model_name or self.name
+
+    @property
+    def symmetric(self) -> bool:
+        """No zero points: every group's zero is 2^(b-1). The one place the recipe's `zero_point` is turned
+        into the name (and polarity) the code uses."""
+        return not self.zero_point
+
+    @property
+    def out_format(self) -> str:
+        """The on-disk format actually written."""
+        return methods.get(self.method).default_format if self.format == "auto" else self.format
+
+    @property
+    def static_act_order(self) -> bool:
+        """Columns are quantized in activation order with groups kept contiguous (what the formats record)."""
+        return methods.get(self.method).static_act_order(self)
+
+    @model_validator(mode="after")
+    def _served_by_vllm(self) -> "Recipe":
+        problem = formats.get(self.out_format).problem(self)
+        if problem:
+            raise ValueError(problem)
+        if self.advanced.awq.coarse_step >= self.awq.n_grid:
+            raise ValueError(f"advanced.awq.coarse_step {self.advanced.awq.coarse_step} must be below awq.n_grid "
+                             f"{self.awq.n_grid} (1 evaluates every grid point)")
+        for name, given in self.sections.items():
+            if name not in methods.REGISTRY or name in type(self).model_fields:
+                raise ValueError("key `sections` is not a recipe key; write a method's options under its name")
+            try:
+                methods.get(name).options(**(given or {}))
+            except ValidationError as e:
+                raise ValueError(f"`{name}`: " + "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
+                                                        for x in e.errors())) from None
+        problem = methods.get(self.method).problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def method_options(self, name: str) -> Any:
+        """The options section of registered method `name` (its `options` model, defaults where not given)."""
+        if name in type(self).model_fields:
+            return getattr(self, name)
+        return methods.get(name).options(**self.sections.get(name, {}))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved recipe as plain data (what the artifact records); `moe` only when it was set."""
+        d = self.model_dump(mode="json")
+        if d["moe"] is None:
+            del d["moe"]
+        if self.sections:  # a registered method's own section, after the built-in ones
+            keys = list(d)
+            at = keys.index("gptq") + 1
+            own = {n: self.method_options(n).model_dump(mode="json") for n in self.sections}
+            d = {**{k: d[k] for k in keys[:at]}, **own, **{k: d[k] for k in keys[at:]}}
+        return d
+
+    @property
+    def moe_options(self) -> MoeOptions:
+        return self.moe or MoeOptions()
+
+
+def parse_size(text: str) -> int:
+    """'4GB' / '500MB' / '2GiB' -> bytes."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = str(text).strip().upper()
+    for unit in sorted(units, key=len, reverse=True):
+        if t.endswith(unit):
+            num = t[: -len(unit)].strip()
+            try:
+                value = float(num) * units[unit]
+            except ValueError:
+                break
+            if not math.isfinite(value) or value < 1:  # inf/nan/0 bytes: no shard size
+                break
+            return int(value)
+    raise ValueError(f"size {text!r} is not understood; write a finite size of at least 1 byte, like '4GB', "
+                     f"'500MB' or '2GiB'")
