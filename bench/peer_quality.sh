@@ -28,7 +28,7 @@ SCORE_DEVICE=${SCORE_DEVICE:-cpu}
 PEER_DEVICE=${PEER_DEVICE:-cpu}  # where the peers quantize (cuda on a GPU host)
 read -r SPEC G ZP < <($PY -c "from quantize.recipe import load_recipe as l; r = l('$RECIPE'); print(r.model, r.q_group_size, r.zero_point)")
 G=${GROUP:-$G}
-SRC=$($PY -c "from quantize import source; print(source.resolve('$SPEC').path)")
+SRC=$($PY -c "from quantize.source import load as source; print(source.resolve('$SPEC').path)")
 SYM=(); GRID=asym
 if [ "$ZP" = "False" ]; then SYM=(--sym); GRID=sym; fi
 TAG="$RECIPE-g$G"

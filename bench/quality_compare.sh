@@ -23,7 +23,7 @@ AUTOAWQ_DIR=${AUTOAWQ_DIR:-.cache/autoawq-0.2.9}  # AutoAWQ's unpacked sdist (be
 LLMC_PY=${LLMC_PY:-.cache/venv-llmcompressor/bin/python}  # a Python with llm-compressor 0.14
 SCORE_DEVICE=${SCORE_DEVICE:-cpu}  # where every artifact is scored in float32 (cuda: the same protocol, faster)
 read -r SPEC G < <($PY -c "from quantize.recipe import load_recipe as l; r = l('$RECIPE'); print(r.model, r.q_group_size)")
-SRC=$($PY -c "from quantize import source; print(source.resolve('$SPEC').path)")
+SRC=$($PY -c "from quantize.source import load as source; print(source.resolve('$SPEC').path)")
 OURS=("$ART/$RECIPE-classic" "$ART/$RECIPE-default" "$ART/$RECIPE-gptq")
 if [ ! -d "${OURS[2]}" ]; then
   $PY bench/awq_variants.py "$RECIPE" --out "$ART" classic:awq.clip_search=symmetric,awq.refit_iters=0 default: \

@@ -362,8 +362,8 @@ def _command(args) -> int:
 
 def _refuse_targets_early(args) -> None:
     """A recipe's serve.targets refused from config.json alone, before `runner` imports torch (seconds); pre-flight
-    checks them again and decides what this leaves open (quantize.preflight.deploy.refuse_targets_early)."""
-    from quantize.preflight.deploy import refuse_targets_early
+    checks them again and decides what this leaves open (quantize.preflight.targets.refuse_targets_early)."""
+    from quantize.preflight.targets import refuse_targets_early
 
     recipe = load_recipe(args.recipe)
     check_output_parent(args.out)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -18,10 +17,10 @@ from typing import Any
 import torch
 
 from . import calib, methods
-from .export import capacity, write as export, modelcard, serve_config
-from .preflight import deploy
+from .export import write as export
+from .export.artifact import RunRecord, write_artifact
 from .source import integrity, load as source
-from .source.arch import Arch, UnsupportedArchitecture, arch_for, checkpoint_name
+from .source.arch import Arch, UnsupportedArchitecture, arch_for
 from .source.experts import split_experts
 from .capture.loop import run_shared
 from .capture.device import configure_allocator
@@ -29,14 +28,12 @@ from .capture.distributed import Dist
 from .capture.checkpoint import Checkpointer, fingerprint
 from .capture.job import DTYPES, Job, feature_names
 from .methods.layer import is_skipped
-from .formats.pack import pack_all
 from .lock import output_lock
 from .paths import check_output_parent, child
 from .preflight.checks import (NO_TARGETS, ROUTER_KEPT, Plan, PreflightError, check_free_disk, check_targets,
                                cpu_moe_refusal, human_bytes, once_per_layer, pick_device, plan, table_lacks,
                                tied_embeddings)
 from .recipe import Recipe, load_recipe
-from .records import Manifest
 from .runlog import RunLog
 
 log = logging.getLogger(__name__)
@@ -289,7 +286,7 @@ def _write_all(recipes, jobs, pf: Checked, outs: list[Path], model, timings: Tim
         stages = dict(timings.stages)
         if shared:
             stages["quantize"] = round(job.seconds, 3)
-        _export(job, the_plan, out, model, stages, force, run)
+        write_artifact(job, the_plan, out, model, stages, force, run)
     if ckpt is not None:
         ckpt.clear()  # every artifact is in place
     if runlog is not None:  # export: every artifact's (each manifest has its own)
@@ -314,17 +311,6 @@ def _checkpointer(recipes: list[Recipe], first_out: Path, pf: Checked,
                        "config": pf.config.to_dict(), "device": str(pf.device), "compute": str(pf.compute_dtype),
                        "versions": provenance["versions"], "commit": provenance["git"]["commit"]})
     return Checkpointer(first_out.parent / f".{first_out.name}.checkpoint", key, every)
-
-
-def _capacity_facts(artifact: Path, model, serve: dict) -> dict | None:
-    """`capacity.facts` for a written artifact directory (its config.json and safetensors files); None when the
-    served length is unknown."""
-    if not serve.get("max-model-len"):
-        return None
-    weights = sum(f.stat().st_size for f in artifact.glob("*.safetensors"))
-    params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
-    return capacity.facts(json.loads((artifact / "config.json").read_text()), serve["max-model-len"], weights,
-                          params)
 
 
 def _write_text(path: Path, text: str) -> Path:
@@ -369,86 +355,3 @@ def _calibration(recipe: Recipe, src: source.ModelSource) -> tuple[torch.Tensor,
     return samples, {"dataset": c.dataset, "source": text.source, "sha256": text.sha256,
                      "n_samples": c.n_samples, "seq_len": c.seq_len, "seed": c.seed, "tokens": int(samples.numel()),
                      "samples_sha256": calib.samples_sha256(samples)}
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """What every artifact of one run shares: its source, devices and dtypes, calibration, the pass's record."""
-
-    src: source.ModelSource
-    config: Any
-    tied: bool  # lm_head shares the input embedding
-    device: torch.device
-    compute_dtype: torch.dtype
-    storage_dtype: torch.dtype  # the model's parameters as loaded
-    dtype: torch.dtype  # the artifact's 16-bit dtype
-    calib_record: dict | None
-    shared: dict | None  # the shared pass of several recipes (None: one recipe)
-    numerics: list[str]  # where the pass switched to float32
-    pass_seconds: dict[str, float]
-    provenance: dict  # versions, git, cuda_allocator
-
-
-def _export(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run: RunRecord) -> None:
-    """Pack one job's results and write its artifact directory atomically (timed into its manifest)."""
-    recipe = job.recipe
-    t0 = time.perf_counter()
-    packed, qcfg = pack_all(job.results, recipe, list(the_plan.skipped), run.dtype, run.device)
-    drop = {"lm_head.weight"} if run.tied else set()
-    tensors = export.build_state_dict(model, packed, run.dtype, drop, job.overrides)
-    tensors = {checkpoint_name(job.arch, k): t for k, t in tensors.items()}  # the names vLLM reads
-    export.check_finite(tensors, f"the checkpoint {run.src.path}")
-
-    def fill(tmp: Path) -> Manifest:
-        copied = export.write_model_dir(tmp, model, tensors, qcfg, run.dtype, run.src.path,
-                                        source.TOKENIZER_FILES, recipe.to_dict(), recipe.max_shard_size)
-        (tmp / "preflight.json").write_text(the_plan.to_json() + "\n")
-        serve = serve_config.build(recipe, the_plan)
-        (tmp / serve_config.SERVE_CONFIG).write_text(serve_config.render(serve))
-        extras = Manifest.model_validate({  # the keys in the order manifest.json has always listed them
-            "artifact": recipe.name,
-            "format": {"name": recipe.out_format, "quant_method": qcfg["quant_method"]},
-            "recipe": recipe.to_dict(),
-            "model": {"spec": run.src.spec, "resolved": str(run.src.path), "kind": run.src.kind,
-                      "gguf_sha256": run.src.origin_sha256, "architecture": run.config.architectures,
-                      "tie_word_embeddings": run.tied, "license": modelcard.source_license(run.src.path)},
-            "calibration": run.calib_record,
-            "quantized_modules": len(job.results),
-            "unconverted": sorted(n.removesuffix(".weight") for n in tensors if n.endswith(".weight")),
-            "copied_unchanged": copied,
-            "notes": _notes(run.tied, run.storage_dtype, run.dtype) + run.numerics,
-            "skipped_linears": the_plan.skipped,
-            "tensor_parallel_sizes": the_plan.tp_sizes,
-            "deploy": deploy.compact(the_plan.deploy, recipe.dtype) if the_plan.deploy else None,
-            "serve": serve,
-            "serve_endpoint": serve_config.endpoint(tmp),  # chat, or completions for a tokenizer without a template
-            "capacity": _capacity_facts(tmp, model, serve),
-            job.method.stats_key: {str(k): v for k, v in job.stats.items()},
-            **({"output_error": {str(k): v for k, v in job.errors.items()}} if job.errors else {}),
-            "shared_pass": run.shared,
-            "device": str(run.device), "compute_dtype": str(run.compute_dtype).removeprefix("torch."),
-            "cuda_allocator": run.provenance["cuda_allocator"],
-            "versions": run.provenance["versions"], "git": run.provenance["git"],
-            "timings_s": {**stages, "export": round(time.perf_counter() - t0, 3)},
-            "pass_seconds": run.pass_seconds,  # the quantize stage's time: device upload, FP forwards, jobs
-            **({"distributed": run.provenance["distributed"]} if "distributed" in run.provenance else {}),
-        })
-        if modelcard.plot_experts(extras, tmp / modelcard.EXPERT_PLOT) is not None:
-            extras.expert_plot = modelcard.EXPERT_PLOT
-        if modelcard.plot_errors(extras, tmp / modelcard.ERROR_PLOT):
-            extras.error_plot = modelcard.ERROR_PLOT
-        (tmp / "README.md").write_text(modelcard.render(extras))
-        return extras
-
-    export.atomic_write_dir(out, fill, force=force)
-    log.info("wrote %s (%s)", out, ", ".join(f"{k} {v:.1f}s" for k, v in stages.items()))
-
-
-def _notes(tied: bool, storage: torch.dtype, dtype: torch.dtype) -> list[str]:
-    notes = []
-    if tied:
-        notes.append("tie_word_embeddings: lm_head shares the input embedding; kept tied and unquantized "
-                     "(lm_head.weight is not written, as in the source)")
-    if storage != dtype:
-        notes.append(f"computed in {storage} on the CPU; unquantized tensors and scales written as {dtype}")
-    return notes

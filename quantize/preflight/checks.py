@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from ..errors import UserError
 from .. import formats
-from . import deploy
+from . import deploy, targets
 from ..source.arch import ARCHITECTURES, Arch, all_linears, checkpoint_name, decoder_layers, layer_prefix
 from ..source.experts import split_experts
 from ..recipe import Recipe
@@ -205,7 +205,7 @@ NO_TARGETS = ("no serve.targets: no GPU generation or tensor-parallel size is ch
 def check_targets(recipe: Recipe, config, arch: Arch, is_skipped) -> None:
     """serve.targets by the hand-written kernel rules, from the config alone: before any weight is read."""
     try:
-        deploy.check_targets_by_rules(recipe, config, arch, is_skipped)
+        targets.check_targets_by_rules(recipe, config, arch, is_skipped)
     except deploy.DeployError as e:
         raise PreflightError(str(e)) from None
 
@@ -214,7 +214,7 @@ def deploy_table(config, arch: Arch, recipe: Recipe, is_skipped) -> dict:
     """The deployability table (vLLM's own kernel choice where vLLM is installed); PreflightError when a
     serve.target is not served on a Marlin-class kernel."""
     table, modules = deploy.recipe_table(recipe, config, arch, is_skipped)
-    problem = deploy.target_problem(table, recipe, modules)
+    problem = targets.target_problem(table, recipe, modules)
     if problem:
         raise PreflightError(problem)
     return table.to_dict()

@@ -26,6 +26,7 @@ from pathlib import Path
 from .. import formats
 from ..errors import UserError
 from ..recipe import SERVE_CAPABILITIES as CAPABILITIES  # Turing .. Blackwell
+from .modules import recipe_modules
 
 TP_SIZES = (1, 2, 4, 8)
 DTYPES = ("float16", "bfloat16")
@@ -51,58 +52,6 @@ class DeployError(UserError, ValueError):
 
 def short(kernel: str) -> str:
     return _SHORT.get(kernel, kernel)
-
-
-# ---- what is asked: vLLM's modules, from one decoder layer's converted linears ----
-
-def vllm_modules(linears: dict[str, tuple[int, int]], arch, config) -> list[dict]:
-    """One decoder layer's converted linears {local name: (in, out)} -> the modules vLLM builds for them.
-
-    q/k/v -> one QKVParallelLinear, gate/up -> one MergedColumnParallelLinear (split or already fused), o and
-    down -> RowParallelLinear, routed experts -> one fused MoE block; other linears are column-parallel.
-    """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    out, used = [], set()
-    for fused in [*arch.fused, *((n,) for n in arch.linears)]:
-        names = [n for n in fused if n in linears]
-        if not names or used & set(names):
-            continue
-        used |= set(names)
-        base = names[0].rsplit(".", 1)[0]
-        tail = [n.rsplit(".", 1)[1] for n in names]
-        in_f = linears[names[0]][0]
-        if tail == ["q_proj", "k_proj", "v_proj"] or tail == ["qkv_proj"]:
-            total = sum(linears[n][1] for n in names)
-            head_dim = total // (heads + 2 * kv)
-            out.append({"name": f"{base}.qkv_proj", "kind": "qkv", "hidden": in_f, "head_dim": head_dim,
-                        "heads": heads, "kv_heads": kv})
-        elif tail == ["gate_proj", "up_proj"] or tail == ["gate_up_proj"]:
-            outs = [linears[n][1] for n in names] if len(names) == 2 else [linears[names[0]][1] // 2] * 2
-            out.append({"name": f"{base}.gate_up_proj", "kind": "merged", "in": in_f, "outs": outs})
-        else:
-            kind = "row" if names[0] in arch.row_parallel else "column"
-            out.append({"name": names[0], "kind": kind, "in": in_f, "out": linears[names[0]][1]})
-    out += _expert_modules(linears, arch, config)
-    return out
-
-
-def _expert_modules(linears: dict[str, tuple[int, int]], arch, config) -> list[dict]:
-    from ..source.arch import expert_count
-
-    if arch.experts is None:
-        return []
-    x, mods = arch.experts, []
-    if x.shared and f"{x.shared}.gate_proj" in linears:
-        (i, o), (di, do) = linears[f"{x.shared}.gate_proj"], linears[f"{x.shared}.down_proj"]
-        mods += [{"name": f"{x.shared}.gate_up_proj", "kind": "merged", "in": i, "outs": [o, o]},
-                 {"name": f"{x.shared}.down_proj", "kind": "row", "in": di, "out": do}]
-    gate = linears.get(x.expert(0, "gate_proj"))
-    if gate is not None:
-        mods.append({"name": x.module, "kind": "experts", "experts": expert_count(arch, config),
-                     "top_k": int(getattr(config, x.top_k_key)), "hidden": gate[0], "intermediate": gate[1]})
-    return mods
 
 
 def query(recipe, modules: list[dict], capabilities=CAPABILITIES, tp_sizes=TP_SIZES, dtypes=DTYPES,
@@ -282,7 +231,7 @@ class Table:
         return cls(**{**d, "cells": [Cell(**c) for c in d["cells"]]})
 
 
-def _cell_of(raw: dict, order: list[str]) -> Cell:
+def cell_of(raw: dict, order: list[str]) -> Cell:
     cell = Cell(raw["capability"], raw["tp"], raw["dtype"], MARLIN)
     if raw.get("refused"):
         cell.verdict, cell.reason, cell.slowest = REFUSED, raw["refused"], f"refused: {raw['refused']}"
@@ -317,7 +266,7 @@ def build(q: dict, use_vllm: bool | None = None) -> Table:
         answer, source = rule_answer(q), f"the hand-written rules ({why})"
     order = [m["name"] for m in q["modules"]]
     return Table(source, answer.get("vllm_version"), q["format"], q["group"], q["symmetric"], order,
-                 [_cell_of(c, order) for c in answer["cells"]], answer.get("optional_kernels", {}))
+                 [cell_of(c, order) for c in answer["cells"]], answer.get("optional_kernels", {}))
 
 
 def render(t: Table) -> str:
@@ -369,14 +318,6 @@ def compact(table: dict, dtype: str) -> dict:
 
 # ---- shapes from a config alone, and the hand rules checked against vLLM ----
 
-def config_linears(config, arch) -> dict[str, tuple[int, int]]:
-    """A model config -> one decoder layer's quantizable linears {local name: (in, out)}, from the architecture
-    table's shapes (`arch.linear_shapes`: no model is built, no torch is imported)."""
-    from ..source.arch import linear_shapes
-
-    return linear_shapes(arch, config)
-
-
 def disagreements(q: dict, rules: dict, vllm: dict) -> list[str]:
     """Cells where the hand rules' tier (marlin | fallback | refused) differs from vLLM's, each naming the shape."""
     shapes = {m["name"]: m for m in q["modules"]}
@@ -397,100 +338,6 @@ def disagreements(q: dict, rules: dict, vllm: dict) -> list[str]:
 
 
 # ---- a recipe's table and its serve.targets ----
-
-def recipe_modules(recipe, config, arch, is_skipped) -> list[dict]:
-    """The vLLM modules a recipe converts, from the model's config alone (shapes of decoder layer 0)."""
-    from ..source.arch import layer_prefix
-
-    prefix = layer_prefix(arch, 0)
-    linears = {n: s for n, s in config_linears(config, arch).items()
-               if not is_skipped(f"{prefix}.{n}", recipe.modules_to_not_convert)}
-    return vllm_modules(linears, arch, config)
-
-
-def _target_cells(recipe) -> list[tuple[str, int, str]]:
-    return [(t.capability, t.tensor_parallel_size, recipe.dtype) for t in recipe.serve.targets]
-
-
-def target_problem(table: Table, recipe, modules: list[dict]) -> str | None:
-    """The first serve.target the table does not serve on a Marlin-class kernel -> one line naming the fix."""
-    for cap, tp, dtype in _target_cells(recipe):
-        c = table.cell(cap, tp, dtype)
-        if c.verdict == MARLIN:
-            continue
-        what = (f"refuses it ({c.reason})" if c.verdict == REFUSED else
-                f"runs {c.slowest}, slower than its Marlin-class kernels")
-        fix = fixes(recipe, modules, cap, tp, dtype)
-        return (f"serve.targets: compute capability {cap} at tensor_parallel_size {tp} in {dtype}: vLLM {what} "
-                f"(from {table.source.split(' (')[0]}); fix: set {fix or 'a different target'}")
-    return None
-
-
-def _serves(fmt: str, group: int, symmetric: bool, bits: int, modules, cap: str, tp: int, dtype: str) -> bool:
-    q = {"format": fmt, "w_bit": bits, "group": group, "symmetric": symmetric, "modules": modules,
-         "capabilities": [cap], "tp_sizes": [tp], "dtypes": [dtype]}
-    return _cell_of(rule_answer(q)["cells"][0], [m["name"] for m in modules]).verdict == MARLIN
-
-
-def fixes(recipe, modules: list[dict], cap: str, tp: int, dtype: str) -> str:
-    """Recipe changes that make (cap, tp, dtype) Marlin-class by the hand rules: group size, symmetry, format,
-    tensor-parallel size (the first two found, least change first)."""
-    fmt, g, sym, bits = recipe.out_format, recipe.q_group_size, recipe.symmetric, recipe.w_bit
-    own = formats.get(fmt)
-    found = [f"q_group_size: {x}" for x in sorted(own.group_sizes, reverse=True)
-             if x != g and _serves(fmt, x, sym, bits, modules, cap, tp, dtype)]
-    if not (own.symmetric_only and sym) and _serves(fmt, g, not sym, bits, modules, cap, tp, dtype):
-        found.append(f"zero_point: {str(sym).lower()}")
-    for other in formats.NAMES:
-        o = formats.get(other)
-        if other != fmt and g in o.group_sizes and not (o.symmetric_only and not sym) \
-                and _serves(other, g, sym, bits, modules, cap, tp, dtype):
-            found.append(f"format: {other}")
-    found += [f"tensor_parallel_size: {t} in this target" for t in sorted(TP_SIZES, reverse=True)
-              if t < tp and _serves(fmt, g, sym, bits, modules, cap, t, dtype)][:1]
-    return " or ".join(found[:3])
-
-
-def check_targets_by_rules(recipe, config, arch, is_skipped) -> None:
-    """serve.targets by the hand rules, from the config alone (no weights, no vLLM import: instant)."""
-    if not recipe.serve.targets:
-        return
-    problem = _rules_problem(recipe, recipe_modules(recipe, config, arch, is_skipped))
-    if problem:
-        raise DeployError(problem)
-
-
-def _rules_problem(recipe, modules: list[dict]) -> str | None:
-    caps = sorted({c for c, _, _ in _target_cells(recipe)}, key=float)
-    table = build(query(recipe, modules, caps, TP_SIZES, [recipe.dtype], for_vllm=False), use_vllm=False)
-    return target_problem(table, recipe, modules)
-
-
-def refuse_targets_early(recipe, out: Path, force: bool) -> None:
-    """serve.targets by the hand rules from config.json read as plain JSON, before the command line imports torch
-    or transformers (they take seconds): a refused target fails at once, with pre-flight's own message.
-
-    What this cannot decide is left to pre-flight, which checks the same targets on transformers' config: a model
-    not on disk as a directory or in the hub cache (GGUF, a download), a size config.json leaves to transformers'
-    defaults, an unsupported architecture, and the errors pre-flight reports before the targets (an existing
-    output, custom code the recipe does not trust)."""
-    if not recipe.serve.targets or (out.exists() and not force):
-        return
-    from ..source.arch import arch_for
-    from ..source.load import config_json
-
-    try:
-        config = config_json(recipe.model, recipe.trust_remote_code)
-        if config is None:
-            return
-        arch = arch_for(config)
-        modules = recipe_modules(recipe, config, arch, formats.is_skipped)
-    except (KeyError, AttributeError, TypeError, ValueError, ZeroDivisionError):
-        return  # pre-flight reads the config with transformers and says what is wrong with it
-    problem = _rules_problem(recipe, modules)
-    if problem:
-        raise DeployError(problem)
-
 
 def recipe_table(recipe, config, arch, is_skipped, use_vllm: bool | None = None) -> tuple[Table, list[dict]]:
     """The full table for a recipe (vLLM's answer where it is installed; the hand rules' where it fails)."""

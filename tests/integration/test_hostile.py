@@ -170,7 +170,7 @@ def test_debug_shows_the_traceback(tiny_llama, tmp_path):
 DRIVER = """
 import sys, time
 from pipeline import cli
-from quantize import export
+from quantize.export import write as export
 real = export.write_sharded
 def slow(*a, **k):
     names = real(*a, **k)

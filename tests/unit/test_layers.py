@@ -22,6 +22,7 @@ DEFERS = {          "quantize.formats": ("quantize.formats.", "quantize.methods.
           # the deployability table: pre-flight reads its facts; its child process and command line import vLLM,
           # torch and the model code only where they run
           "quantize.preflight.deploy": ("",), "quantize.preflight.vllm_kernels": ("",),
+          "quantize.preflight.modules": ("",), "quantize.preflight.targets": ("",),
           # pre-flight's refusal of serve.targets reads config.json through these before any torch import
           "quantize.source.arch": ("torch",), "quantize.source.load": ("torch",),
           "eval.lmeval": ("",),  # lm-eval (an optional extra) and its task files, only when a recipe asks for tasks

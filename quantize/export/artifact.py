@@ -1,0 +1,117 @@
+"""One artifact of a run: its job's results packed, its directory written atomically with the manifest, the
+serve config and the model card (`write` holds the file primitives)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..capture.job import Job
+from ..formats.pack import pack_all
+from ..preflight import deploy
+from ..records import Manifest
+from ..source import load as source
+from ..source.arch import checkpoint_name
+from . import capacity, modelcard, serve_config, write as export
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What every artifact of one run shares: its source, devices and dtypes, calibration, the pass's record."""
+
+    src: source.ModelSource
+    config: Any
+    tied: bool  # lm_head shares the input embedding
+    device: torch.device
+    compute_dtype: torch.dtype
+    storage_dtype: torch.dtype  # the model's parameters as loaded
+    dtype: torch.dtype  # the artifact's 16-bit dtype
+    calib_record: dict | None
+    shared: dict | None  # the shared pass of several recipes (None: one recipe)
+    numerics: list[str]  # where the pass switched to float32
+    pass_seconds: dict[str, float]
+    provenance: dict  # versions, git, cuda_allocator
+
+
+def write_artifact(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run: RunRecord) -> None:
+    """Pack one job's results and write its artifact directory atomically (timed into its manifest)."""
+    recipe = job.recipe
+    t0 = time.perf_counter()
+    packed, qcfg = pack_all(job.results, recipe, list(the_plan.skipped), run.dtype, run.device)
+    drop = {"lm_head.weight"} if run.tied else set()
+    tensors = export.build_state_dict(model, packed, run.dtype, drop, job.overrides)
+    tensors = {checkpoint_name(job.arch, k): t for k, t in tensors.items()}  # the names vLLM reads
+    export.check_finite(tensors, f"the checkpoint {run.src.path}")
+
+    def fill(tmp: Path) -> Manifest:
+        copied = export.write_model_dir(tmp, model, tensors, qcfg, run.dtype, run.src.path,
+                                        source.TOKENIZER_FILES, recipe.to_dict(), recipe.max_shard_size)
+        (tmp / "preflight.json").write_text(the_plan.to_json() + "\n")
+        serve = serve_config.build(recipe, the_plan)
+        (tmp / serve_config.SERVE_CONFIG).write_text(serve_config.render(serve))
+        extras = Manifest.model_validate({  # the keys in the order manifest.json has always listed them
+            "artifact": recipe.name,
+            "format": {"name": recipe.out_format, "quant_method": qcfg["quant_method"]},
+            "recipe": recipe.to_dict(),
+            "model": {"spec": run.src.spec, "resolved": str(run.src.path), "kind": run.src.kind,
+                      "gguf_sha256": run.src.origin_sha256, "architecture": run.config.architectures,
+                      "tie_word_embeddings": run.tied, "license": modelcard.source_license(run.src.path)},
+            "calibration": run.calib_record,
+            "quantized_modules": len(job.results),
+            "unconverted": sorted(n.removesuffix(".weight") for n in tensors if n.endswith(".weight")),
+            "copied_unchanged": copied,
+            "notes": notes(run.tied, run.storage_dtype, run.dtype) + run.numerics,
+            "skipped_linears": the_plan.skipped,
+            "tensor_parallel_sizes": the_plan.tp_sizes,
+            "deploy": deploy.compact(the_plan.deploy, recipe.dtype) if the_plan.deploy else None,
+            "serve": serve,
+            "serve_endpoint": serve_config.endpoint(tmp),  # chat, or completions for a tokenizer without a template
+            "capacity": capacity_facts(tmp, model, serve),
+            job.method.stats_key: {str(k): v for k, v in job.stats.items()},
+            **({"output_error": {str(k): v for k, v in job.errors.items()}} if job.errors else {}),
+            "shared_pass": run.shared,
+            "device": str(run.device), "compute_dtype": str(run.compute_dtype).removeprefix("torch."),
+            "cuda_allocator": run.provenance["cuda_allocator"],
+            "versions": run.provenance["versions"], "git": run.provenance["git"],
+            "timings_s": {**stages, "export": round(time.perf_counter() - t0, 3)},
+            "pass_seconds": run.pass_seconds,  # the quantize stage's time: device upload, FP forwards, jobs
+            **({"distributed": run.provenance["distributed"]} if "distributed" in run.provenance else {}),
+        })
+        if modelcard.plot_experts(extras, tmp / modelcard.EXPERT_PLOT) is not None:
+            extras.expert_plot = modelcard.EXPERT_PLOT
+        if modelcard.plot_errors(extras, tmp / modelcard.ERROR_PLOT):
+            extras.error_plot = modelcard.ERROR_PLOT
+        (tmp / "README.md").write_text(modelcard.render(extras))
+        return extras
+
+    export.atomic_write_dir(out, fill, force=force)
+    log.info("wrote %s (%s)", out, ", ".join(f"{k} {v:.1f}s" for k, v in stages.items()))
+
+
+def notes(tied: bool, storage: torch.dtype, dtype: torch.dtype) -> list[str]:
+    notes = []
+    if tied:
+        notes.append("tie_word_embeddings: lm_head shares the input embedding; kept tied and unquantized "
+                     "(lm_head.weight is not written, as in the source)")
+    if storage != dtype:
+        notes.append(f"computed in {storage} on the CPU; unquantized tensors and scales written as {dtype}")
+    return notes
+
+
+def capacity_facts(artifact: Path, model, serve: dict) -> dict | None:
+    """`capacity.facts` for a written artifact directory (its config.json and safetensors files); None when the
+    served length is unknown."""
+    if not serve.get("max-model-len"):
+        return None
+    weights = sum(f.stat().st_size for f in artifact.glob("*.safetensors"))
+    params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+    return capacity.facts(json.loads((artifact / "config.json").read_text()), serve["max-model-len"], weights,
+                          params)
