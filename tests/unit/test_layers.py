@@ -26,7 +26,8 @@ DEFERS = {          "quantize.formats": ("quantize.formats.", "quantize.methods.
           # pre-flight's refusal of serve.targets reads config.json through these before any torch import
           "quantize.source.arch": ("torch",), "quantize.source.load": ("torch",),
           "eval.lmeval": ("",),  # lm-eval (an optional extra) and its task files, only when a recipe asks for tasks
-          "pipeline.cli": ("quantize.", "pipeline.", "torch", "subprocess")}
+          "pipeline.cli": ("quantize.", "pipeline.", "torch", "subprocess"),
+          "pipeline.oom": ("torch",)}
 
 
 def _deferred(m: str, t: str) -> bool:
