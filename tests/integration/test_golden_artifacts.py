@@ -5,7 +5,8 @@ the artifact holds except the ones that record the run itself (manifest, report,
 versions) is hashed. The pins are of one kernel path: torch's CPU matmuls differ in the last bit between
 instruction sets, so the artifacts are built in a child process held to the recorded capability
 (ATEN_CPU_CAPABILITY; an AVX-512 CPU also runs the AVX2 kernels), and the test is skipped, saying so, only on a
-CPU that cannot run that capability.
+CPU that cannot run that capability. The thread count is pinned too: a sum split over another number of threads
+rounds differently (GPTQ's codes move with it), so the child runs with the pins' count whatever the box has.
 Regenerate with `python tests/integration/test_golden_artifacts.py` after a change meant to alter the bytes.
 """
 
@@ -78,13 +79,19 @@ def _capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+def _child_env(pinned: dict) -> dict[str, str]:
+    threads = str(pinned["threads"])
+    return {**os.environ, "ATEN_CPU_CAPABILITY": pinned["cpu_capability"].lower(), "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+
+
 def test_tiny_artifacts_are_byte_identical_to_the_pins(tmp_path):
     pinned = json.loads(GOLDEN.read_text())
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": pinned["cpu_capability"].lower(), "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, __file__, "--hashes", str(tmp_path)], env=env, capture_output=True,
-                       text=True, timeout=600)
+    p = subprocess.run([sys.executable, __file__, "--hashes", str(tmp_path)], env=_child_env(pinned),
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.splitlines()[-1])
+    assert got["threads"] == pinned["threads"], got["threads"]
     if got["cpu_capability"] != pinned["cpu_capability"]:
         pytest.skip(f"pins are of {pinned['cpu_capability']} kernels; this CPU runs {got['cpu_capability']} only")
     for name, files in pinned["artifacts"].items():
@@ -95,9 +102,13 @@ if __name__ == "__main__":
     import tempfile
 
     if sys.argv[1:2] == ["--hashes"]:  # the test's child: one JSON line on stdout
-        print(json.dumps({"cpu_capability": _capability(), "artifacts": build_all(Path(sys.argv[2]))}))
+        print(json.dumps({"cpu_capability": _capability(), "threads": torch.get_num_threads(),
+                          "artifacts": build_all(Path(sys.argv[2]))}))
         raise SystemExit(0)
+    # regenerating: the pins record the capability and thread count they were built with, which the test's child
+    # then uses (set OMP_NUM_THREADS to choose; this box's default otherwise)
     with tempfile.TemporaryDirectory() as d:
-        record = {"cpu_capability": _capability(), "torch": torch.__version__, "artifacts": build_all(Path(d))}
+        record = {"cpu_capability": _capability(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                  "artifacts": build_all(Path(d))}
     GOLDEN.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     print(f"wrote {GOLDEN}")
