@@ -22,7 +22,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -176,7 +178,19 @@ class Dist:
     def explain(self, e: BaseException) -> BaseException:
         """The error this rank stops with, given the one it caught: another rank's published message when that
         rank failed first (what this rank caught is then a consequence: a closed connection, torchrun's SIGTERM);
-        else e itself, published for the others."""
+        else e itself, published for the others.
+
+        From here on this rank is stopping: a stop request that arrives now (torchrun sends SIGTERM to every rank
+        once one has exited, often just after the closed connection that brought this rank here) is the same
+        cause arriving twice, and must not replace the message being looked up, nor the one printed after."""
+        while True:
+            try:
+                _ignore_stop_requests()
+                return self._explain(e)
+            except KeyboardInterrupt:  # a stop request delivered before the handlers were replaced
+                continue
+
+    def _explain(self, e: BaseException) -> BaseException:
         if getattr(e, "from_rank", None) is not None:  # every rank raised it together (`share`, `agree`)
             return e
         store = _store()
@@ -199,6 +213,14 @@ class Dist:
         if not consequence:
             store.set(FAILURE_KEY, f"rank {self.rank}: {e}")
         return e
+
+
+def _ignore_stop_requests() -> None:
+    """SIGINT and SIGTERM ignored from now until the process ends (the command line restores its own handlers
+    just before the worker exits through `leave`)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
 
 
 def _store():

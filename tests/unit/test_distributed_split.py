@@ -56,3 +56,60 @@ def test_only_run_is_spread_over_ranks():
     assert p.returncode == 2
     assert p.stderr.strip() == ("error: `list` runs in one process; only `run` is spread over ranks: "
                                 "start it without torchrun")
+
+
+class _Store:
+    """The launcher's key-value store as `explain` uses it; `interrupt_on` checks raise a stop request first."""
+
+    def __init__(self, published: str | None, interrupt_on: int = 0):
+        self.published, self.calls, self.interrupt_on = published, 0, interrupt_on
+        self.set_to: str | None = None
+
+    def check(self, keys):
+        self.calls += 1
+        if self.calls <= self.interrupt_on:
+            raise KeyboardInterrupt("SIGTERM")
+        return self.published is not None
+
+    def get(self, key):
+        return self.published.encode()
+
+    def set(self, key, value):
+        self.set_to = value
+
+
+def _explain_with(store: _Store, e: BaseException, monkeypatch) -> BaseException:
+    import signal
+
+    from quantize.capture import distributed
+
+    monkeypatch.setattr(distributed, "_store", lambda: store)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            out = _dist(0, 2).explain(e)
+        except KeyboardInterrupt:
+            raise AssertionError("a stop request during the lookup replaced the message") from None
+        # the rank is stopping: the launcher's SIGTERM now changes nothing
+        assert all(signal.getsignal(s) is signal.SIG_IGN for s in saved)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def test_torchruns_sigterm_during_the_lookup_keeps_the_failing_ranks_message(monkeypatch):
+    """Rank 1 fails and exits; rank 0 sees the connection close and looks up rank 1's message while torchrun's
+    SIGTERM arrives: rank 0 still stops with rank 1's message, not as interrupted."""
+    store = _Store("rank 1: decoder layer 2: injected failure", interrupt_on=1)
+    out = _explain_with(store, RuntimeError("Connection closed by peer"), monkeypatch)
+    assert isinstance(out, DistributedError) and str(out) == "rank 1: decoder layer 2: injected failure"
+    assert out.from_rank == 1 and store.calls == 2
+
+
+def test_a_ranks_own_error_is_published_for_the_others(monkeypatch):
+    store = _Store(None)
+    e = ValueError("bad input")
+    assert _explain_with(store, e, monkeypatch) is e
+    assert store.set_to == "rank 0: bad input"
