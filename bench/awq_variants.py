@@ -36,13 +36,13 @@ def share_scale_search() -> dict:
     cache: dict = {}
     search = awq_layer._search_group
 
-    def shared(data, g, quantized, chosen, recipe, spec, dist=None):
+    def shared(data, g, quantized, chosen, recipe, spec, dist=None, inputs=None):
         opts = recipe.awq
         key = (data.index, g.prev, tuple(quantized), tuple(chosen), opts.n_grid, opts.duo_scaling,
                recipe.advanced.awq.coarse_step, opts.search_tokens, spec)
         if key not in cache:
             cache.clear() if cache and next(iter(cache))[0] != data.index else None
-            cache[key] = search(data, g, quantized, chosen, recipe, spec, dist)
+            cache[key] = search(data, g, quantized, chosen, recipe, spec, dist, inputs)
         return cache[key]
 
     awq_layer._search_group = shared
