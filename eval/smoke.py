@@ -29,6 +29,7 @@ import httpx
 
 from quantize import formats
 from quantize.export import serve_config
+from quantize.preflight.deploy import vllm_version
 
 from .serve import INT4_MISSING, Server, ServeError, ask, int4_kernel_missing, post, served_models
 from .vllm_run import VllmError, kernels_from_log, root_cause
@@ -102,7 +103,7 @@ def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     path = serve_config.endpoint(artifact)
     out: dict = {"passed": False, "expected_method": expected, "dtype": dtype, "errors": [], "checks": {},
-                 "endpoint": path, "endpoint_why": serve_config.why_endpoint(path)}
+                 "endpoint": path, "endpoint_why": serve_config.why_endpoint(path), "vllm_version": vllm_version()}
     extra = {"dtype": dtype} if serve_config.read(artifact) else {"served-model-name": artifact.name,
                                                                    "dtype": dtype, "max-model-len": 512}
     with tempfile.TemporaryDirectory(prefix="smoke-") as work:

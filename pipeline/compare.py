@@ -19,7 +19,7 @@ from quantize.paths import child
 from quantize.recipe import load_variants
 from quantize.records import Manifest
 
-from eval.report import machine
+from eval.report import machine, seconds_text
 
 from .stages import check_eval_inputs, evaluate
 
@@ -137,7 +137,7 @@ def render_markdown(name: str, rows: list[dict], meta: dict) -> str:
               "", "bits / weight: every byte of the quantized linears (codes, scales, zeros) x 8 / their weights. "
               "quantize (s): this variant's own share of the shared layer-by-layer pass.", ""]
     if meta.get("timings_s"):
-        lines += [f"Timings of this comparison run (s): {meta['timings_s']}", ""]
+        lines += [f"Timings of this comparison run: {seconds_text(meta['timings_s'])}", ""]
     lines += [f"![Δppl against bits per weight and size, KL against bits per weight]({name}.png)", ""]
     return "\n".join(lines)
 

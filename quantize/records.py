@@ -335,6 +335,7 @@ class Smoke(Record):
     samples: list[dict[str, str]] = []
     answer: dict[str, Any] | None = None
     wrong_name: str | None = None
+    vllm_version: str | None = None  # the vLLM the smoke ran under (absent in reports written before it was kept)
 
 
 class LmScores(Record):

@@ -163,7 +163,8 @@ def _evaluation(report: Report | None) -> list[str]:
     if s.skipped is not None:
         lines.append(f"vLLM smoke-load: skipped ({s.skipped}).")
     else:
-        lines.append(f"vLLM smoke-load: **{'passed' if s.passed else 'FAILED'}** (vLLM method `{s.method}`, "
+        under = f"vLLM {s.vllm_version}, " if s.vllm_version else ""
+        lines.append(f"vLLM smoke-load: **{'passed' if s.passed else 'FAILED'}** ({under}vLLM method `{s.method}`, "
                      f"teacher-forced top-1 agreement with FP16 {s.token_agreement}).")
     lines += ["", "Full report: `report.md` / `report.json` in this directory."]
     return lines

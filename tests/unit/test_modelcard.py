@@ -168,3 +168,20 @@ def test_kl_and_top1_go_into_the_model_index():
     names = {r.metric_type: r.metric_value for r in modelcard.card_data(MANIFEST, report).eval_results}
     assert names["kl_divergence"] == 0.0123 and names["top1_agreement"] == 0.91 and names["kl_divergence_p99"] == 0.2
     assert "top-1 agreement 0.9100" in modelcard.render(MANIFEST, report)
+
+
+def test_the_smoke_line_names_the_vllm_it_ran_under():
+    smoke = {"passed": True, "method": "awq_marlin", "token_agreement": 0.91, "vllm_version": "0.32.0"}
+    text = modelcard.render(MANIFEST, {**REPORT, "vllm_smoke": smoke})
+    assert "vLLM smoke-load: **passed** (vLLM 0.32.0, vLLM method `awq_marlin`" in text
+
+
+def test_the_machine_names_the_processor_once_and_timings_read_as_seconds():
+    import platform
+
+    from eval.report import machine, seconds_text
+
+    m = machine()
+    assert m.startswith(f"{platform.machine()}, ") and f"{platform.machine()} {platform.machine()}" not in m
+    assert "cores" in m and "{" not in m
+    assert seconds_text({"load": 12.345, "hash": 0.032, "eval": 0}) == "load 12.3 s, hash 0.032 s, eval 0 s"
