@@ -98,6 +98,26 @@ def test_sweep_comparison_files_plot_and_model_cards(tiny_llama, tmp_path):
         assert sentence in text
 
 
+def test_the_reference_runs_once_for_every_variant_and_not_again(tiny_llama, tmp_path, monkeypatch):
+    """Three variants of one comparison score the reference model once (its perplexity and top-k cached under
+    the model files, protocol, dtype and device kind); the comparison run again scores only the variants."""
+    from eval import refcache, report
+
+    monkeypatch.setattr(refcache, "cache_dir", lambda: tmp_path / "cache")
+    forwards = []
+    real = report.perplexity
+    monkeypatch.setattr(report, "perplexity", lambda m, w, b=1, label="model", **k: forwards.append(label)
+                        or real(m, w, b, label, **k))
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="ref", method="rtn", sweep={"q_group_size": [32, 64, 128]},
+                         eval=dict(perplexity=dict(seq_len=128, max_windows=3), vllm=dict(enabled=False)))
+    doc, code = run_comparison([str(recipe)], tmp_path / "art")
+    assert code == 0 and forwards == ["reference", "quantized", "quantized", "quantized"]
+    assert all(r["kl_mean"] is not None for r in doc["rows"])
+    forwards.clear()
+    doc, code = run_comparison([str(recipe)], tmp_path / "art", force=True)
+    assert code == 0 and forwards == ["quantized"] * 3
+
+
 def test_default_comparison_name():
     assert default_name(["qwen7b-awq-g32", "qwen7b-awq-g64", "qwen7b-awq-g128"]) == "qwen7b-awq"
     assert default_name(["smollm2-awq-sweep"]) == "smollm2-awq-sweep"
