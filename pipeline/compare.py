@@ -19,7 +19,7 @@ from quantize.paths import child
 from quantize.recipe import load_variants
 from quantize.records import Manifest
 
-from eval.report import machine, seconds_text
+from eval.readable import machine, seconds_text
 
 from .stages import check_eval_inputs, evaluate
 

@@ -179,7 +179,7 @@ def test_the_smoke_line_names_the_vllm_it_ran_under():
 def test_the_machine_names_the_processor_once_and_timings_read_as_seconds():
     import platform
 
-    from eval.report import machine, seconds_text
+    from eval.readable import machine, seconds_text
 
     m = machine()
     assert m.startswith(f"{platform.machine()}, ") and f"{platform.machine()} {platform.machine()}" not in m
