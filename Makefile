@@ -93,7 +93,7 @@ registry: $(STAMP)
 # make registry-ui [HOST=127.0.0.1] [UI_PORT=5000]: MLflow's own web UI on registry/mlflow.db (registered
 # models, versions, their metrics and tags); open http://localhost:5000, Ctrl-C stops it.
 UI_PORT ?= 5000
-## serve MLflow's web UI on the registry at http://localhost:$(UI_PORT) [HOST= UI_PORT=]
+## serve MLflow's web UI on the registry, by default at http://localhost:5000 [HOST= UI_PORT=]
 registry-ui: $(STAMP)
 	$(PY) -m pipeline registry --ui --host $(HOST) --port $(UI_PORT)
 
