@@ -11,26 +11,13 @@
 # model exactly as our pipeline does. Its "cpu" extra (numba, tbb, auto-round-lib) only speeds up CPU inference
 # of the exported model and is not installed. Re-running re-checks the pins.
 set -euo pipefail
-
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-VENV="$ROOT/.cache/venv-autoround"
-PY="${PYTHON:-python3}"
-
-if [ ! -x "$VENV/bin/python" ]; then
-    mkdir -p "$ROOT/.cache"
-    "$PY" -m venv "$VENV"
-fi
-PIP=("$VENV/bin/pip" --disable-pip-version-check)
+source "$(dirname "${BASH_SOURCE[0]}")/venv.sh" autoround
 
 "${PIP[@]}" install -q "torch==2.13.0"   # first, alone: the CPU build from find-links
 "${PIP[@]}" install -q "torch==2.13.0" auto-round==0.16.1 transformers==5.19.0 accelerate==1.15.0 \
     datasets==5.2.0 safetensors
 
-for pkg in torchvision torchaudio torchcodec; do
-    if "${PIP[@]}" show -q "$pkg" >/dev/null 2>&1; then
-        "${PIP[@]}" uninstall -y -q "$pkg"
-    fi
-done
+drop_media_packages
 
 "$VENV/bin/python" - <<'PYEOF'
 import importlib.metadata as m

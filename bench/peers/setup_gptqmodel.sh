@@ -10,25 +10,12 @@
 # build (with its nvidia-* wheels); it runs on a CPU-only host, and no CPU build of 2.14.x is on the index.
 # Re-running re-checks the pins.
 set -euo pipefail
-
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-VENV="$ROOT/.cache/venv-gptqmodel"
-PY="${PYTHON:-python3}"
-
-if [ ! -x "$VENV/bin/python" ]; then
-    mkdir -p "$ROOT/.cache"
-    "$PY" -m venv "$VENV"
-fi
-PIP=("$VENV/bin/pip" --disable-pip-version-check)
+source "$(dirname "${BASH_SOURCE[0]}")/venv.sh" gptqmodel
 
 "${PIP[@]}" install -q "torch==2.14.1"
 "${PIP[@]}" install -q "torch==2.14.1" gptqmodel==7.7.0
 
-for pkg in torchvision torchaudio torchcodec; do
-    if "${PIP[@]}" show -q "$pkg" >/dev/null 2>&1; then
-        "${PIP[@]}" uninstall -y -q "$pkg"
-    fi
-done
+drop_media_packages
 
 "$VENV/bin/python" - <<'PYEOF'
 import importlib.metadata as m

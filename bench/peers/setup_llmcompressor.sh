@@ -9,27 +9,12 @@
 # build (2.13.0+cpu) through pip's find-links; torch is installed first and pinned so nothing pulls a
 # CUDA torch. Re-running on an existing venv re-checks the pins (quick when all are satisfied).
 set -euo pipefail
-
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-VENV="$ROOT/.cache/venv-llmcompressor"
-REQ="$ROOT/bench/peers/requirements-llmcompressor.txt"
-PY="${PYTHON:-python3}"
-
-if [ ! -x "$VENV/bin/python" ]; then
-    mkdir -p "$ROOT/.cache"
-    "$PY" -m venv "$VENV"
-fi
-PIP=("$VENV/bin/pip" --disable-pip-version-check)
+source "$(dirname "${BASH_SOURCE[0]}")/venv.sh" llmcompressor
 
 "${PIP[@]}" install -q "torch==2.13.0"   # first, alone: the CPU build from find-links
-"${PIP[@]}" install -q -r "$REQ"
+"${PIP[@]}" install -q -r "$ROOT/bench/peers/requirements-llmcompressor.txt"
 
-# llmcompressor needs none of these; CUDA builds of them break `import transformers` paths on a CPU torch.
-for pkg in torchvision torchaudio torchcodec; do
-    if "${PIP[@]}" show -q "$pkg" >/dev/null 2>&1; then
-        "${PIP[@]}" uninstall -y -q "$pkg"
-    fi
-done
+drop_media_packages
 
 "$VENV/bin/python" - <<'EOF'
 import torch, transformers, compressed_tensors, llmcompressor
