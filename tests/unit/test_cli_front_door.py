@@ -68,3 +68,15 @@ def test_the_light_commands_import_no_torch(argv):
              "print('HEAVY', heavy, 'CODE', code, file=sys.stderr)\n")
     p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert "HEAVY [] CODE 0" in p.stderr, p.stderr[-2000:]
+
+
+def test_a_malformed_registry_name_is_refused_before_the_output_is_looked_at(tmp_path, capsys):
+    """The name is checked first: nothing about the output directory (here its parent is missing) is asked or made
+    before the user hears what a registered version looks like."""
+    from pipeline.cli import main
+
+    out = tmp_path / "no" / "such" / "artifacts"
+    assert main(["serve", "models:/only-a-name", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a registered version: write models:/<name>@<alias>" in err[0], err
+    assert not (tmp_path / "no").exists()
