@@ -119,5 +119,5 @@ def test_base_model_through_run_eval_register(tiny_base, tmp_path, monkeypatch, 
     assert s["passed"] and s["endpoint"] == serve_config.COMPLETIONS, s
     assert "asked on `/v1/completions`" in (out / "report.md").read_text()
     assert eval_main([str(recipe), "--out", str(tmp_path / "a")]) == 0
-    assert main(["register", "tiny-base-awq", "--out", str(tmp_path / "a")]) == 0
+    assert main(["register", str(recipe), "--out", str(tmp_path / "a")]) == 0  # a recipe path, as a user's own
     assert registry.versions("tiny-base-awq")[0]["metrics"]["vllm_smoke_passed"] == 1.0
