@@ -278,12 +278,18 @@ DELTA = {"float16": 0.01, "bfloat16": 0.05}
 
 
 # every architecture in each 4-bit format vLLM serves: AWQ, GPTQ (symmetric) and compressed-tensors, one route
-# per format, so each (model, format) pair starts exactly one vLLM
-VLLM_CASES = [(n, *ROUTES[i]) for n in MODELS for i in (0, 2, 3)]
+# per format, so each (model, format) pair starts exactly one vLLM (a minute or two each on 2 CPU cores). `make
+# test` serves each architecture once and each format at least once, both bfloat16 models among them; the other
+# ten pairs are marked slow and run in `make test-all`.
+IN_MAKE_TEST = {("gemma3", "awq"), ("gemma2", "gptq"), ("phi3", "compressed-tensors"), ("granite", "awq"),
+                ("olmo2", "gptq")}
+VLLM_CASES = [pytest.param(n, *ROUTES[i], id=f"{n}-{ROUTES[i][1]}",
+                           marks=() if (n, ROUTES[i][1]) in IN_MAKE_TEST else pytest.mark.slow)
+              for n in MODELS for i in (0, 2, 3)]
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("name,method,fmt,keys", VLLM_CASES, ids=[f"{c[0]}-{c[2]}" for c in VLLM_CASES])
+@pytest.mark.parametrize("name,method,fmt,keys", VLLM_CASES)
 def test_vllm_serves_the_artifact_as_we_decode_it(name, method, fmt, keys, checkpoints, tmp_path):
     """vLLM (CPU build) loads each architecture's artifact in the dtype the recipe names (bfloat16 for Gemma)
     and its prompt logprobs match transformers running the weights our own code decodes."""
