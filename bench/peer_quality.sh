@@ -11,7 +11,9 @@
 # Environment: GROUP overrides the recipe's group size (ours, with q_group_size=GROUP, and the peers');
 # AR_ITERS overrides AutoRound's iterations per block (its default 200, best 1000) where the machine cannot
 # afford them, and is recorded in the artifact's peer_run.json; AR_RECIPES (default "default best") and
-# GPTQMODEL_VARIANTS (default "gptq gptaq") pick the peer runs. Peers need bash bench/peers/setup_autoround.sh
+# GPTQMODEL_VARIANTS (default "gptq gptaq") pick the peer runs. OURS_SET adds dotted recipe keys to our row (e.g.
+# compute_dtype=float32 on a GPU host, where the recipe's auto computes in its 16-bit dtype and the peers in
+# float32); it is part of our row's artifact name. Peers need bash bench/peers/setup_autoround.sh
 # and bash bench/peers/setup_gptqmodel.sh; one whose venv is missing is skipped, one that fails says so and
 # gets no artifact (its error is in its log under ART). Record: bench/results/peer-quality-RECIPE[-gG].json.
 set -euo pipefail
@@ -33,12 +35,12 @@ SYM=(); GRID=asym
 if [ "$ZP" = "False" ]; then SYM=(--sym); GRID=sym; fi
 TAG="$RECIPE-g$G"
 mkdir -p "$ART" bench/results
-OURS="$ART/$RECIPE-default"
-if [ -n "${GROUP:-}" ]; then OURS="$ART/$RECIPE-g$G-default"; fi
-if [ ! -d "$OURS" ]; then
-  if [ -n "${GROUP:-}" ]; then $PY bench/awq_variants.py "$RECIPE" --out "$ART" "g$G-default:q_group_size=$G"
-  else $PY bench/awq_variants.py "$RECIPE" --out "$ART" default:; fi
-fi
+OURS_SET=${OURS_SET:-}
+LABEL=default${OURS_SET:+-$(printf '%s' "$OURS_SET" | tr -c 'A-Za-z0-9' '-')}
+SETS=$OURS_SET
+if [ -n "${GROUP:-}" ]; then LABEL="g$G-$LABEL"; SETS="q_group_size=$G${OURS_SET:+,$OURS_SET}"; fi
+OURS="$ART/$RECIPE-$LABEL"
+if [ ! -d "$OURS" ]; then $PY bench/awq_variants.py "$RECIPE" --out "$ART" "$LABEL:$SETS"; fi
 ROWS=("$OURS")
 peer() {  # peer NAME PYTHON SCRIPT ARGS...: run once into $ART/$TAG-NAME, keep it as a row when it exists
   local name=$1 py=$2; shift 2
