@@ -42,6 +42,18 @@ RECIPES = {"default": {"iters": 200, "batch_size": 8, "lr": None},
            "light": {"iters": 50, "batch_size": 8, "lr": 5e-3}}
 
 
+def move_up(folders: str | list[str], out: Path) -> None:
+    """AutoRound writes into OUT/<model name>-w4g<G>/ and returns that folder: a str for one format, a list for
+    several. The artifact is OUT itself, so the folder's files move up one level; a folder anywhere but directly
+    inside OUT is refused before anything moves (indexing the str form would name "/")."""
+    folder = Path(folders if isinstance(folders, str) else folders[0]).resolve()
+    if folder.parent != out.resolve() or not folder.is_dir():
+        raise SystemExit(f"error: AutoRound saved to {folder}, not a folder inside {out}: nothing moved")
+    for f in folder.iterdir():
+        shutil.move(str(f), out / f.name)
+    folder.rmdir()
+
+
 def main() -> None:
     ap = parser(__doc__.split("\n\n")[0])
     ap.add_argument("--sym", action="store_true", help="symmetric grid, exported as GPTQ (default: asymmetric, AWQ)")
@@ -70,9 +82,7 @@ def main() -> None:
                    batch_size=settings["batch_size"], lr=settings["lr"], device_map=args.device, seed=args.seed)
     _, folders = ar.quantize_and_save(str(out), format=fmt)  # AutoRound's documented entry: tune, pack in `fmt`
     quant_s = time.perf_counter() - t
-    for f in Path(folders[0]).iterdir():  # it writes into OUT/<model name>-w4g<G>/: the artifact is OUT itself
-        shutil.move(str(f), out / f.name)
-    Path(folders[0]).rmdir()
+    move_up(folders, out)
     tok.save_pretrained(out)
     record = {
         "peer": "auto-round", "recipe": args.recipe, "iters_reduced": args.iters is not None
