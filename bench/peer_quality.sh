@@ -15,7 +15,8 @@
 # compute_dtype=float32 on a GPU host, where the recipe's auto computes in its 16-bit dtype and the peers in
 # float32); it is part of our row's artifact name. Peers need bash bench/peers/setup_autoround.sh
 # and bash bench/peers/setup_gptqmodel.sh; one whose venv is missing is skipped, one that fails says so and
-# gets no artifact (its error is in its log under ART). Record: bench/results/peer-quality-RECIPE[-gG].json.
+# gets no artifact (its error is in its log under ART). Record: bench/results/peer-quality-RECIPE-gG-GRID.json
+# (G the group size, GRID asym or sym; OURS_SET is not in the name: a run with other keys overwrites it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1
