@@ -39,6 +39,9 @@ class LayerData:
     inputs: list[torch.Tensor]  # per batch: [b, seq, hidden], the layer's inputs
     kwargs: list[dict]  # per batch: keyword arguments the layer is called with (positions, mask)
     features: dict[str, torch.Tensor] = field(default_factory=dict)  # linear name -> its input [tokens, in]
+    # for a job with its own chain that asks for them (`LayerJob.wants_fp_features`): the inputs the same linears
+    # see in the unquantized model on the FP model's layer inputs, rows in the order of `features`' batches
+    fp_features: dict[str, torch.Tensor] = field(default_factory=dict)
     # what a job computed from the unmodified layer and the FP inputs alone, kept for the other jobs of the layer
     # that see the same (propagate "fp"): name -> value, the name holding everything else the value depends on.
     # None where no other job will ask (one job, or a job with its own chain): nothing is kept.
@@ -187,10 +190,13 @@ class LayerJob(Protocol):
     propagate: "fp" - this layer's inputs are the FP model's (shared by every such job);
     "quantized" - the outputs of the previous layer as this job left it (a private chain);
     "none" - needs no calibration inputs at all (round-to-nearest).
+    wants_fp_features: a "quantized" job that also needs what its linears would see in the unquantized model
+    (GPTQ with an FP target): the FP forward runs for it and `LayerData.fp_features` holds those inputs.
     """
 
     propagate: str
     wants_features: bool
+    wants_fp_features: bool
     seconds: float
 
     def process(self, data: LayerData) -> None: ...
@@ -235,7 +241,7 @@ def run_shared(
     """One pass over the decoder layers serving several jobs (recipes) that share a model and calibration.
 
     Each layer moves to `device` once. The FP forward (layer outputs and linear inputs) is computed once for
-    every job that propagates "fp"; a job with a private chain gets its own inputs. With one job the layer is
+    every job that propagates "fp" or wants the FP linear inputs; a job with a private chain gets its own inputs. With one job the layer is
     processed in place; with several, each job works on its own copy, so every job sees the unmodified layer
     and computes exactly what it would compute alone. `job.keep(i, layer)` receives the layer as the job left it.
     checkpointer: a `checkpoint.Checkpointer`; the pass resumes after its last saved layer and saves as it goes.
@@ -364,9 +370,11 @@ class _SharedPass:
         self.seconds["to_device"] += t1 - t0
         jobs = self.jobs
         fp_jobs = [j for j in jobs if j.propagate == "fp"]
+        # the jobs that read the FP forward's linear inputs; each but the last gets its own copy
+        fp_users = [n for n, j in enumerate(jobs) if (j.wants_features and j.propagate == "fp") or j.wants_fp_features]
         fp_outs, fp_feats, fp_shared = None, {}, {}
-        if fp_jobs:
-            fp_outs, fp_feats = self._fp_forward(i, layer, self.names if any(j.wants_features for j in fp_jobs) else [])
+        if fp_jobs or fp_users:
+            fp_outs, fp_feats = self._fp_forward(i, layer, self.names if fp_users else [])
         t2 = self._clock()
         self.seconds["fp_forward"] += t2 - t1
         for n, job in enumerate(jobs):
@@ -374,15 +382,20 @@ class _SharedPass:
             if next(layer.parameters()).dtype != self.dtype:  # an earlier job's chain upcast the pass
                 layer.to(self.device, self.dtype)
             feats: dict[str, torch.Tensor] = {}
-            if job.wants_features and job.propagate == "fp":
-                last_user = all(not (j.wants_features and j.propagate == "fp") for j in jobs[n + 1 :])
-                feats = fp_feats if last_user else {k: t.clone() for k, t in fp_feats.items()}
-            elif job.wants_features:
+            fp_ref: dict[str, torch.Tensor] = {}
+            if n in fp_users:
+                mine = fp_feats if n == fp_users[-1] else {k: t.clone() for k, t in fp_feats.items()}
+                if job.propagate == "fp":
+                    feats = mine
+                else:
+                    fp_ref = mine
+            if job.wants_features and job.propagate != "fp":
                 _, feats = self._forward(layer, self.chains[n], self.names)
             work = layer if len(jobs) == 1 else copy.deepcopy(layer)
             job.process(LayerData(i, work, self.chains.get(n, self.inputs), self.kwargs, feats,
-                                  fp_shared if job.propagate == "fp" and len(fp_jobs) > 1 else None))
-            del feats
+                                  shared=fp_shared if job.propagate == "fp" and len(fp_jobs) > 1 else None,
+                                  fp_features=fp_ref))
+            del feats, fp_ref
             if job.propagate == "quantized":
                 self._advance_chain(i, n, work)
             job.keep(i, work)

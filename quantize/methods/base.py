@@ -30,6 +30,11 @@ class Method:
         """Whether the capture loop must record the input of every linear (one per shared input) for it."""
         return False
 
+    def wants_fp_features(self, recipe) -> bool:
+        """Whether a method with its own chain of quantized layers also needs the inputs its linears see in the
+        unquantized model (`capture.LayerData.fp_features`), e.g. to aim at the FP model's outputs."""
+        return False
+
     def problem(self, recipe) -> str | None:
         """Why this recipe's settings do not work with this method, saying what to change; None when they do."""
         return None

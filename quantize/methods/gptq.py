@@ -20,6 +20,13 @@ class GptqOptions(Strict):
     act_order: bool = True  # static: columns by descending diag(H), groups kept contiguous
     true_sequential: bool = True  # q/k/v, then o, then gate/up, then down, each on quantized predecessors
     block_size: int = Field(128, gt=0)  # lazy-batch width of the column sweep
+    # how far each sweep aims at the unquantized model's outputs rather than at this linear's own outputs on the
+    # quantized chain (GPTAQ's asymmetric calibration, Li et al. 2025): before the sweep the weights move this
+    # fraction of the way to W·ΔXᵀX̃·(X̃ᵀX̃ + λI)⁻¹ + W, the least-squares fit of the FP outputs W·X on the quantized
+    # inputs X̃, so the sweep also undoes the error the quantized layers before it let in. 0 = plain GPTQ.
+    # Costs one FP forward of each layer and one more product of the inputs' size per Hessian. Dense linears only:
+    # a mixture-of-experts block's experts are swept as plain GPTQ.
+    fp_target: float = Field(0.0, ge=0, le=1)
 
 
 def block_problem(recipe) -> str | None:
@@ -42,6 +49,9 @@ class Gptq(Method):
 
     def problem(self, recipe) -> str | None:
         return block_problem(recipe)
+
+    def wants_fp_features(self, recipe) -> bool:
+        return recipe.gptq.fp_target > 0
 
     def static_act_order(self, recipe) -> bool:
         return recipe.gptq.act_order

@@ -31,7 +31,42 @@ def gptq_spec(recipe, scale_dtype: torch.dtype) -> gptq.GptqSpec:
                          o.act_order, scale_dtype, fast.update)
 
 
-def _summed_hessians(data: LayerData, keys: list[str], dist: Dist) -> dict[str, torch.Tensor]:
+class _FpCross:
+    """Running Σ (x_fp − x)ᵀ x over the batches of one linear input: x as the quantized chain feeds it, x_fp the
+    same rows of `LayerData.fp_features` (what the unquantized model feeds it). Float32 sums; `mean` scales them
+    like the Hessian (2/n), so W·C·H⁻¹ is the least-squares correction of `toward_fp`."""
+
+    def __init__(self, fp: torch.Tensor, start: int = 0):
+        self.fp, self.row = fp, start
+        self.sum = torch.zeros(fp.shape[1], fp.shape[1], dtype=torch.float32, device=fp.device)
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        ref = self.fp[self.row : self.row + x.shape[0]].to(x.device).float()
+        self.row += x.shape[0]
+        self.sum.addmm_((ref - x).t(), x)
+
+    def mean(self, tokens: int) -> torch.Tensor:
+        return self.sum.mul_(2.0 / tokens)
+
+
+def toward_fp(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, alpha: float, damp: float) -> torch.Tensor:
+    """W moved the fraction alpha towards the least-squares fit of the FP outputs on the quantized inputs:
+    W + alpha·W·C·(H + λI)⁻¹, with H = 2/n X̃ᵀX̃, C = 2/n (X − X̃)ᵀX̃ and GPTQ's dampening λ = damp·mean(diag H)
+    (a ridge fit: columns the calibration barely excites barely move; dead columns keep a unit diagonal)."""
+    Hd = H.clone()
+    diag = Hd.diagonal()
+    diag[diag == 0] = 1
+    diag.add_(damp * diag.mean())
+    L, info = torch.linalg.cholesky_ex(Hd)
+    if int(info):  # not positive definite even damped: the sweep's own factorisation raises the dampening and says so
+        return W
+    shift = torch.cholesky_solve((W.float() @ C).t(), L).t()  # (H⁻¹ (W C)ᵀ)ᵀ = W C H⁻¹ (H symmetric)
+    return (W.float() + alpha * shift).to(W.dtype)
+
+
+def _summed_hessians(data: LayerData, keys: list[str], dist: Dist,
+                     cross: dict[str, _FpCross] | None = None) -> dict[str, torch.Tensor]:
     """The Hessians 2·XᵀX / n of the inputs of linears `keys` over every rank's tokens: each rank sums xᵀx over
     its share of the batches (`gptq.HessianAccumulator.add_sum`: float32 sums, half-precision inputs through
     float32-accumulating products, wide inputs by the upper blocks), the sums are added over ranks and divided
@@ -39,12 +74,23 @@ def _summed_hessians(data: LayerData, keys: list[str], dist: Dist) -> dict[str, 
     process's running mean, so H differs from it in the last bits (docs/DISTRIBUTED.md: what that does)."""
     layer, mine = data.layer, dist.span(len(data.inputs))
     accs = {k: gptq.HessianAccumulator(layer.get_submodule(k).in_features, data.inputs[0].device) for k in keys}
+    if cross is not None:  # this rank's batches start this many rows into the gathered FP inputs
+        start = sum(t.shape[0] * t.shape[1] for t in data.inputs[: mine.start])
+        cross.update({k: _FpCross(data.fp_features[k], start) for k in keys})
+
+    def on_input(k: str, x: torch.Tensor) -> None:
+        accs[k].add_sum(x)
+        if cross is not None:
+            cross[k].add(x)
     if len(mine):
         dist.agree(lambda: feed_inputs(layer, data.inputs[mine.start : mine.stop],
-                                       data.kwargs[mine.start : mine.stop], keys, lambda k, x: accs[k].add_sum(x)))
+                                       data.kwargs[mine.start : mine.stop], keys, on_input))
     else:
         dist.agree(lambda: None)
     n = sum(t.shape[0] * t.shape[1] for t in data.inputs)
+    if cross is not None:
+        for c in cross.values():
+            dist.all_sum(c.sum)
     return {k: acc.reduced(dist.all_sum, n) for k, acc in accs.items()}
 
 
@@ -73,12 +119,14 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
                results: dict[str, QuantResult], runlog: RunLog | None = None, dist: Dist | None = None) -> dict:
     """GPTQ for one decoder layer: per stage, accumulate Hessians (on quantized predecessors), quantize.
     Each stage's Hessian and sweep seconds go to runlog. dist: Hessians summed over the ranks' shares of the
-    batches (`_summed_hessians`), each sweep's rows split over the ranks (`_row_split_solve`)."""
+    batches (`_summed_hessians`), each sweep's rows split over the ranks (`_row_split_solve`). gptq.fp_target > 0:
+    each problem's weights first move towards the fit of the FP outputs (`toward_fp`, data.fp_features)."""
     layer, opts = data.layer, recipe.gptq
     local = local_linears(arch, data.index, convert)
     stages = arch.sequential if opts.true_sequential else (tuple(arch.linears),)
     input_of = feature_of(arch)
     spec = gptq_spec(recipe, scale_dtype)
+    aim = opts.fp_target > 0 and bool(data.fp_features)  # GPTAQ's FP target (`GptqOptions.fp_target`)
     stats: dict = {}
     device = data.inputs[0].device
     sweep = gptq_sweep(recipe.advanced.gptq.kernel, device)
@@ -91,13 +139,21 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
             continue
         t0 = _clock(device)
         keys = sorted({input_of[n] for n in names}, key=arch.linears.index)  # one Hessian per shared input
+        cross: dict[str, _FpCross] | None = {} if aim else None
         if dist is None:
             accs = {k: gptq.HessianAccumulator(layer.get_submodule(k).in_features, data.inputs[0].device)
                     for k in keys}
-            feed_inputs(layer, data.inputs, data.kwargs, keys, lambda k, x: accs[k].add(x))
+            if cross is not None:
+                cross.update({k: _FpCross(data.fp_features[k]) for k in keys})
+
+            def on_input(k: str, x: torch.Tensor) -> None:
+                accs[k].add(x)
+                if cross is not None:
+                    cross[k].add(x)
+            feed_inputs(layer, data.inputs, data.kwargs, keys, on_input)
             hessians = {k: accs[k].H for k in keys}
         else:
-            hessians = _summed_hessians(data, keys, dist)
+            hessians = _summed_hessians(data, keys, dist, cross)
         t1 = _clock(device)
         seconds["hessian"] += t1 - t0
         groups = [[n for n in names if input_of[n] == key] for key in keys]  # linears sharing one Hessian
@@ -105,6 +161,10 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
         # one sweep over the row-concatenated weights of each group; independent groups (one-pass Hessians)
         # overlap on CUDA
         problems = [(torch.cat(w), hessians[k]) for w, k in zip(weights, keys)]
+        if cross is not None:
+            tokens = sum(t.shape[0] * t.shape[1] for t in data.inputs)
+            problems = [(toward_fp(w, h, cross.pop(k).mean(tokens), opts.fp_target, opts.damp_percent), h)
+                        for (w, h), k in zip(problems, keys)]
         if dist is None:
             solved = gptq.gptq_quantize_many(problems, spec, sweep=sweep, side=side_stream(device))
         else:

@@ -108,3 +108,15 @@ def test_vllm_cpu_build_refuses_8bit_as_preflight_says(gptq_artifacts):
     assert all(lc["cpu_kernel"].startswith("none") for lc in pre["layers"])
     with pytest.raises(VllmError, match="uint8b128"):
         run_vllm(out, [[5, 6, 7, 8]], top_k=1, max_tokens=1)
+
+
+def test_fp_target_reads_the_fp_inputs_row_for_row(gptq_artifacts, tiny_llama, tmp_path):
+    """gptq.fp_target: the first layer's q/k/v see the same inputs in the FP model and on the quantized chain,
+    so their codes equal plain GPTQ's to the bit; every later stage aims at the FP outputs and moves."""
+    aimed = runner.run(tiny_recipe(tmp_path, tiny_llama, name="gptq-w4-fp", **dict(GPTQ, gptq=dict(
+        GPTQ["gptq"], fp_target=0.25))), out_root=tmp_path / "a")
+    with safe_open(str(aimed / "model.safetensors"), "pt") as a, \
+            safe_open(str(gptq_artifacts["gptq-w4"] / "model.safetensors"), "pt") as b:
+        same = {k for k in a.keys() if k.endswith(".qweight") and torch.equal(a.get_tensor(k), b.get_tensor(k))}
+    first = {f"model.layers.0.self_attn.{p}_proj.qweight" for p in "qkv"}
+    assert same == first, sorted(same)

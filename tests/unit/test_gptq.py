@@ -277,3 +277,26 @@ def test_partial_hessian_sums_reduce_to_the_running_mean():
             torch.testing.assert_close(h, accs[0].H, rtol=1e-5, atol=1e-6)
             assert torch.equal(h, h.t())
         assert torch.equal(got[0], got[2])
+
+
+def test_toward_fp_is_the_least_squares_fit_of_the_fp_outputs():
+    """GPTAQ's target: on quantized inputs X̃ the moved weights reproduce the FP outputs W·X as well as any
+    weights can (alpha 1, no dampening: the least-squares solution); alpha 0 leaves W as it is."""
+    from quantize.methods.gptq_layer import _FpCross, toward_fp
+
+    w, x, acc = _data()
+    g = torch.Generator().manual_seed(7)
+    xq = x + 0.2 * torch.randn(x.shape, generator=g)  # what the quantized chain feeds the linear
+    qacc, cross = gptq.HessianAccumulator(x.shape[1]), _FpCross(x)
+    for chunk in xq.split(100):  # the batches arrive in order; _FpCross reads the FP rows alongside
+        qacc.add(chunk)
+        cross.add(chunk)
+    C = cross.mean(xq.shape[0])
+    assert torch.allclose(C, 2 * (x - xq).t() @ xq / x.shape[0], rtol=1e-4, atol=1e-3)
+    assert torch.equal(toward_fp(w, qacc.H, C, 0.0, 0.01), w)
+    fit = toward_fp(w, qacc.H, C, 1.0, 1e-9)
+    best = torch.linalg.lstsq(xq, x @ w.t()).solution.t()
+    assert torch.allclose(fit, best, rtol=1e-3, atol=1e-3)
+    err = lambda m: float(torch.linalg.norm(xq @ m.t() - x @ w.t()))  # noqa: E731
+    half = toward_fp(w, qacc.H, C, 0.5, 0.01)
+    assert err(fit) < err(half) < err(w)
