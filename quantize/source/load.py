@@ -21,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
+from filelock import FileLock
 from safetensors import SafetensorError, safe_open
 
 from ..errors import UserError
@@ -157,30 +158,49 @@ def gguf_to_dir(gguf: Path) -> tuple[Path, str]:
     removed and rebuilt, with a warning."""
     sha = sha256_file(gguf)
     target = cache_dir() / "gguf" / f"{gguf.stem}-{sha[:16]}"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Runs started side by side on one GGUF (a comparison and its peers, jobs sharing a GPU host) convert it
+        # once: the first holds the lock while it converts, the others wait and then find the finished cache.
+        lock = FileLock(target.parent / f".{target.name}.lock")
+        lock.acquire()
+    except OSError as e:  # the cache root, or a folder on its way, is a file or is not writable
+        raise _cache_unwritable(target, e) from None
+    try:
+        return _convert_once(gguf, sha, target), sha
+    finally:
+        lock.release()
+
+
+def _cache_unwritable(target: Path, e: OSError) -> ModelSourceError:
+    blocking = next((p for p in (target.parent, *target.parent.parents) if p.exists() and not p.is_dir()), None)
+    what = f"{blocking} is a file, not a directory" if blocking else f"{e.strerror}: {e.filename}"
+    return ModelSourceError(
+        f"the cache directory {cache_dir()} (QUANTIZE_CACHE_DIR) cannot hold the GGUF conversion: {what}; "
+        f"{'move that file aside' if blocking else 'fix its permissions'}, or set QUANTIZE_CACHE_DIR to a "
+        f"directory you can write")
+
+
+def _convert_once(gguf: Path, sha: str, target: Path) -> Path:
+    """Under the conversion lock: the cached directory, converted now if missing or damaged."""
     if target.exists():
         damage = _cache_damage(target, sha)
         if damage is None:
-            return target, sha
+            return target
         log.warning("GGUF conversion cache %s is damaged (%s); removing it and converting again", target, damage)
         shutil.rmtree(target)
     log.info("converting GGUF %s to safetensors (once; cached at %s)", gguf, target)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    except OSError as e:  # the cache root, or a folder on its way, is a file or is not writable
-        blocking = next((p for p in (target.parent, *target.parent.parents) if p.exists() and not p.is_dir()), None)
-        what = f"{blocking} is a file, not a directory" if blocking else f"{e.strerror}: {e.filename}"
-        raise ModelSourceError(
-            f"the cache directory {cache_dir()} (QUANTIZE_CACHE_DIR) cannot hold the GGUF conversion: {what}; "
-            f"{'move that file aside' if blocking else 'fix its permissions'}, or set QUANTIZE_CACHE_DIR to a "
-            f"directory you can write") from None
+    except OSError as e:
+        raise _cache_unwritable(target, e) from None
     try:
         _convert_gguf(gguf, tmp)
         (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": sha}, indent=2))
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target, sha
+    return target
 
 
 def _cache_damage(target: Path, sha: str) -> str | None:

@@ -454,6 +454,45 @@ def test_damaged_gguf_cache_is_rebuilt(tiny_llama, tmp_path, monkeypatch, caplog
     assert (again.path / "model.safetensors").read_bytes() == (tiny_llama / "model.safetensors").read_bytes()
 
 
+def test_gguf_converted_once_by_runs_side_by_side(tiny_llama, tmp_path, monkeypatch):
+    """Two runs resolving one GGUF at the same time: one converts, the other waits and reads its cache (without
+    the lock the second's rename met the first's finished directory: OSError, directory not empty)."""
+    import shutil
+    import threading
+    import time
+
+    from quantize.source import load as source
+
+    monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(tmp_path / "cache"))
+    conversions = []
+
+    def convert(gguf, into):
+        conversions.append(gguf)
+        time.sleep(0.5)  # long enough for the other run to arrive while this one converts
+        for p in tiny_llama.iterdir():
+            shutil.copy(p, into / p.name)
+
+    monkeypatch.setattr(source, "_convert_gguf", convert)
+    f = _gguf(tmp_path / "m.gguf", "llama")
+    found, errors = [], []
+
+    def run():
+        try:
+            found.append(source.resolve(str(f)).path)
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(conversions) == 1
+    assert found[0] == found[1] and (found[0] / "model.safetensors").is_file()
+    assert [p.name for p in found[0].parent.iterdir() if p.name.startswith(f".{found[0].name}.")] == [
+        f".{found[0].name}.lock"]  # no half-written temporary left beside it
+
+
 # --- calibration files -------------------------------------------------------------------------------------
 
 CALIB_CASES = {
