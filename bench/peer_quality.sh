@@ -16,7 +16,8 @@
 # float32); it is part of our row's artifact name. Peers need bash bench/peers/setup_autoround.sh
 # and bash bench/peers/setup_gptqmodel.sh; one whose venv is missing is skipped, one that fails says so and
 # gets no artifact (its error is in its log under ART). Record: bench/results/peer-quality-RECIPE-gG-GRID.json
-# (G the group size, GRID asym or sym; OURS_SET is not in the name: a run with other keys overwrites it).
+# (G the group size, GRID asym or sym; OURS_SET is not in the name: a run with other keys overwrites it), or the
+# path RECORD names (runs of one recipe and grid side by side, e.g. each AutoRound recipe in its own process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1
@@ -63,4 +64,4 @@ for v in $GPTQMODEL_VARIANTS; do
 done
 $PY bench/ppl_compare.py --source "$SPEC" --max-windows "$W" --device "$SCORE_DEVICE" --distribution \
   --source-cache "$ART/.source-$(basename "$SRC")-w$W.pt" \
-  --json "bench/results/peer-quality-$TAG-$GRID.json" "${ROWS[@]}"
+  --json "${RECORD:-bench/results/peer-quality-$TAG-$GRID.json}" "${ROWS[@]}"
