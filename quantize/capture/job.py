@@ -61,6 +61,10 @@ class Job:
     def wants_fp_features(self) -> bool:
         return self.propagate == "quantized" and self.method.wants_fp_features(self.recipe)
 
+    @property
+    def wants_fp_outputs(self) -> bool:
+        return self.propagate == "quantized" and self.method.wants_fp_outputs(self.recipe)
+
     def prefix(self, index: int) -> str:
         """The full module name of decoder layer `index`."""
         return layer_prefix(self.arch, index)

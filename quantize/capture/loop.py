@@ -42,6 +42,10 @@ class LayerData:
     # for a job with its own chain that asks for them (`LayerJob.wants_fp_features`): the inputs the same linears
     # see in the unquantized model on the FP model's layer inputs, rows in the order of `features`' batches
     fp_features: dict[str, torch.Tensor] = field(default_factory=dict)
+    # for a job with its own chain that asks for them (`LayerJob.wants_fp_outputs`): per batch, what this layer
+    # outputs in the unquantized model on the FP model's inputs [b, seq, hidden]; read-only (the next layer's
+    # FP inputs)
+    fp_outputs: list[torch.Tensor] = field(default_factory=list)
     # what a job computed from the unmodified layer and the FP inputs alone, kept for the other jobs of the layer
     # that see the same (propagate "fp"): name -> value, the name holding everything else the value depends on.
     # None where no other job will ask (one job, or a job with its own chain): nothing is kept.
@@ -192,11 +196,14 @@ class LayerJob(Protocol):
     "none" - needs no calibration inputs at all (round-to-nearest).
     wants_fp_features: a "quantized" job that also needs what its linears would see in the unquantized model
     (GPTQ with an FP target): the FP forward runs for it and `LayerData.fp_features` holds those inputs.
+    wants_fp_outputs: a "quantized" job that needs the unquantized layer's outputs (SignRound's target): the FP
+    forward runs for it and `LayerData.fp_outputs` holds them.
     """
 
     propagate: str
     wants_features: bool
     wants_fp_features: bool
+    wants_fp_outputs: bool
     seconds: float
 
     def process(self, data: LayerData) -> None: ...
@@ -373,7 +380,7 @@ class _SharedPass:
         # the jobs that read the FP forward's linear inputs; each but the last gets its own copy
         fp_users = [n for n, j in enumerate(jobs) if (j.wants_features and j.propagate == "fp") or j.wants_fp_features]
         fp_outs, fp_feats, fp_shared = None, {}, {}
-        if fp_jobs or fp_users:
+        if fp_jobs or fp_users or any(j.wants_fp_outputs for j in jobs):
             fp_outs, fp_feats = self._fp_forward(i, layer, self.names if fp_users else [])
         t2 = self._clock()
         self.seconds["fp_forward"] += t2 - t1
@@ -394,7 +401,7 @@ class _SharedPass:
             work = layer if len(jobs) == 1 else copy.deepcopy(layer)
             job.process(LayerData(i, work, self.chains.get(n, self.inputs), self.kwargs, feats,
                                   shared=fp_shared if job.propagate == "fp" and len(fp_jobs) > 1 else None,
-                                  fp_features=fp_ref))
+                                  fp_features=fp_ref, fp_outputs=fp_outs if job.wants_fp_outputs else []))
             del feats, fp_ref
             if job.propagate == "quantized":
                 self._advance_chain(i, n, work)

@@ -12,12 +12,12 @@ module import no torch (the command line's `validate` and `list` read them); the
 
 from __future__ import annotations
 
-from . import awq, gptq, rtn
+from . import awq, gptq, rtn, signround
 from .base import PROPAGATIONS, Method, stats_key
 
 __all__ = ["Method", "PROPAGATIONS", "REGISTRY", "get", "names", "register", "stats_key"]
 
-REGISTRY: dict[str, Method] = {m.name: m for m in (awq.AWQ, gptq.GPTQ, rtn.RTN)}  # the built-in methods
+REGISTRY: dict[str, Method] = {m.name: m for m in (awq.AWQ, gptq.GPTQ, rtn.RTN, signround.SIGNROUND)}  # the built-in methods
 
 
 def register(method: Method) -> Method:

@@ -35,6 +35,11 @@ class Method:
         unquantized model (`capture.LayerData.fp_features`), e.g. to aim at the FP model's outputs."""
         return False
 
+    def wants_fp_outputs(self, recipe) -> bool:
+        """Whether a method with its own chain of quantized layers also needs what each decoder layer outputs in
+        the unquantized model (`capture.LayerData.fp_outputs`), e.g. as the target of a tuning loss."""
+        return False
+
     def problem(self, recipe) -> str | None:
         """Why this recipe's settings do not work with this method, saying what to change; None when they do."""
         return None

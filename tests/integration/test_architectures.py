@@ -136,7 +136,7 @@ def test_artifact_read_back_matches_transformers(name, method, fmt, keys, checkp
 class _FoldOnly:
     """A layer job that searches AWQ's scales and folds them, quantizing nothing."""
 
-    propagate, wants_features, wants_fp_features, seconds = "fp", True, False, 0.0
+    propagate, wants_features, wants_fp_features, wants_fp_outputs, seconds = "fp", True, False, False, 0.0
 
     def __init__(self, arch, recipe):
         self.arch, self.recipe = arch, recipe

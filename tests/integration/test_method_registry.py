@@ -71,7 +71,7 @@ def _toy(tmp_path, model, name, vllm: bool = True, **over):
 
 
 def test_an_unregistered_method_and_a_bad_option_are_refused_naming_what_exists(tiny_llama, tmp_path, toyclip):
-    with pytest.raises(RecipeError, match=r"method 'nosuch' is unknown; use one of \['awq', 'gptq', 'rtn', "
+    with pytest.raises(RecipeError, match=r"method 'nosuch' is unknown; use one of \['awq', 'gptq', 'rtn', 'signround', "
                                           r"'toyclip'\]"):
         load_recipe(tiny_recipe(tmp_path, tiny_llama, name="bad-method", method="nosuch"))
     with pytest.raises(RecipeError, match=r"`toyclip`: shrinks.0: Input should be a valid number"):
