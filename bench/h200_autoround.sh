@@ -8,8 +8,10 @@
 # The host needs the wheels of bench/peers/collect_wheels.sh plus auto-round 0.16.1, py-cpuinfo and gguf in
 # .whl/, and the bundled SmolLM2 GGUF as the parts `split -b 50M` makes of it, in GGUF_PARTS (default .gg/part-*;
 # parts that arrived by earlier calls are first copied to /tmp/gg by `bash bench/h200_autoround.sh stash`).
-# Each job is one bench/peer_quality.sh run in its own ART folder with its own RECORD (so jobs can share the
-# GPU side by side): ours computed and scored in float32 on the GPU, AutoRound on the GPU, GPTQModel left out
+# Each job (JOBS: name:recipe:autoround-recipe[:our-sets], "-" for no AutoRound row; our sets are dotted recipe
+# keys joined by commas) is one bench/peer_quality.sh run in its own ART folder with its own RECORD (so jobs can
+# share the GPU side by side): ours computed and scored in float32 on the GPU (PRERUN=1, the default, quantizes
+# ours first, one job at a time, so that its seconds are its own), AutoRound on the GPU, GPTQModel left out
 # (its torch >= 2.14.1 pin cannot be met there). The jobs share one GPU, so their seconds are those of a shared
 # GPU; quality does not depend on it. Jobs run under setsid so that they outlive the call that starts them.
 set -uo pipefail
@@ -46,20 +48,24 @@ start)
   python3 -c "import torch, transformers, auto_round; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'auto-round', auto_round.__version__)" | tee -a "$STATE/gpu.txt"
   for job in $JOBS; do  # ours first, one at a time, so that its seconds are its own
-    IFS=: read -r name recipe _ <<< "$job"
+    [ "${PRERUN:-1}" = 1 ] || break
+    IFS=: read -r name recipe _ sets <<< "$job"
+    sets=compute_dtype=float32${sets:+,$sets}
     mkdir -p "/tmp/art-$name"
-    python3 bench/awq_variants.py "$recipe" --out "/tmp/art-$name" "default-compute-dtype-float32:compute_dtype=float32" \
+    python3 bench/awq_variants.py "$recipe" --out "/tmp/art-$name" "default-$(printf '%s' "$sets" | tr -c 'A-Za-z0-9' '-'):$sets" \
       > "$STATE/ours-$name.log" 2>&1 || { echo "ours failed for $name: $(tail -1 "$STATE/ours-$name.log")"; }
     grep -h "wrote\|quantize " "$STATE/ours-$name.log" | tail -2
   done
   for job in $JOBS; do
-    IFS=: read -r name recipe ar <<< "$job"
+    IFS=: read -r name recipe ar sets <<< "$job"
+    [ "$ar" = - ] && ar=" "
+    mkdir -p "/tmp/art-$name"
     date -u +%FT%TZ > "$STATE/$name.start"
     PY=python3 AR_PY=python3 AR_RECIPES=$ar GPTQMODEL_VARIANTS="" PEER_DEVICE=cuda SCORE_DEVICE=cuda \
-      OURS_SET=compute_dtype=float32 ART="/tmp/art-$name" RECORD="$STATE/peer-quality-$name.json" \
+      OURS_SET=compute_dtype=float32${sets:+,$sets} ART="/tmp/art-$name" RECORD="$STATE/peer-quality-$name.json" \
       setsid bash -c "bash bench/peer_quality.sh $recipe > $STATE/$name.log 2>&1; echo \$? > $STATE/$name.rc; \
 date -u +%FT%TZ > $STATE/$name.end" < /dev/null > /dev/null 2>&1 &
-    echo "started $name: $recipe, AutoRound $ar"
+    echo "started $name: $recipe${sets:+ ($sets)}, AutoRound ${ar// /none}"
   done ;;
 wait)
   OUT=${2:?OUT}; limit=${3:?SECONDS}; t=0
