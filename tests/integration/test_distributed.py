@@ -2,7 +2,7 @@
 
 Each test launches real torchrun processes on a tiny Llama: two ranks on one node, two single-rank "nodes"
 meeting at a rendezvous on localhost, and a failure on rank 1 that must stop both ranks with its message.
-AWQ artifacts are byte-identical to the one-process run. GPTQ sums the ranks' Hessians in another order than
+AWQ and SignRound artifacts are byte-identical to the one-process run. GPTQ sums the ranks' Hessians in another order than
 one process's running mean, so its codes may differ: its artifact is held to the bound docs/DISTRIBUTED.md
 states, on GPTQ's own objective (each linear's loss in the manifest).
 """
@@ -85,6 +85,8 @@ VARIANTS = {
     "awq-gptq-rounding": dict(awq=dict(n_grid=10, clip_grid=10, rounding="gptq"),
                               advanced=dict(awq=dict(coarse_step=2))),
     "gptq": dict(method="gptq", zero_point=False),
+    # one owner tunes each layer on every batch (gathered bit for bit) and shares the codes: byte-identical
+    "signround": dict(method="signround", signround=dict(iters=10, samples_per_step=4)),
 }
 
 
