@@ -131,10 +131,18 @@ def tune(layer: nn.Module, names: list[str], data: LayerData, recipe, scale_dtyp
             total += float(loss.detach())
         return total
 
-    best, best_loss, first = None, math.inf, None
+    best, best_loss, first, skipped = None, math.inf, None, 0
     for k, batches in enumerate(_visits(len(data.inputs), min(per_step, len(data.inputs)), o.iters, o.seed)):
         loss = loss_of(batches)
         first = loss if first is None else first
+        if not (math.isfinite(loss) and all(bool(torch.isfinite(p.grad).all()) for t in tuned.values()
+                                            for p in t.params())):
+            # a half-precision forward that overflowed: its gradient's signs mean nothing, so no step is taken
+            skipped += 1
+            for t in tuned.values():
+                for p in t.params():
+                    p.grad = None
+            continue
         if loss < best_loss:
             best, best_loss = [t.snapshot() for t in tuned.values()], loss
         lr = lr0 * (1 - k / o.iters)
@@ -143,7 +151,11 @@ def tune(layer: nn.Module, names: list[str], data: LayerData, recipe, scale_dtyp
     if best is not None:
         for t, saved in zip(tuned.values(), best):
             t.restore(saved)
-    stats = {"steps": o.iters, "loss_start": first, "loss_best": None if best is None else best_loss}
+    if skipped:
+        log.warning("SignRound: %d of %d steps gave a non-finite loss or gradient and were skipped; consider "
+                    "compute_dtype: float32", skipped, o.iters)
+    stats = {"steps": o.iters, "skipped_steps": skipped, "loss_start": first,
+             "loss_best": None if best is None else best_loss}
     return {n: t.export(scale_dtype) for n, t in tuned.items()}, stats
 
 

@@ -96,3 +96,25 @@ def test_mixture_of_experts_tunes_attention_and_rounds_the_experts(tmp_path):
         assert experts and attention
         assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in experts)
         assert not all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in attention)
+
+
+def test_a_non_finite_step_is_skipped_not_taken(tiny_llama, tmp_path, monkeypatch):
+    """An overflowing forward (half precision) gives NaN gradients: that step is skipped and counted, and the
+    stored codes stay finite and on the grid."""
+    calls = {"n": 0}
+    real = signround_layer.functional_call
+
+    def overflow_every_third(module, weights, args, kwargs):
+        calls["n"] += 1
+        y = real(module, weights, args, kwargs)
+        if calls["n"] % 3 == 0:
+            y = (y[0] * float("nan"),) + tuple(y[1:]) if isinstance(y, tuple) else y * float("nan")
+        return y
+
+    monkeypatch.setattr(signround_layer, "functional_call", overflow_every_third)
+    art = runner.run(tiny_recipe(tmp_path, tiny_llama, name="sr-nan", **dict(SR, signround=dict(
+        iters=30, samples_per_step=4))), out_root=tmp_path / "a")
+    stats = json.loads((art / "manifest.json").read_text())["signround_stats"]
+    assert all(s["skipped_steps"] == 10 and s["loss_best"] < s["loss_start"] for s in stats.values()), stats
+    with safe_open(str(art / "model.safetensors"), "pt") as f:
+        assert all(bool(torch.isfinite(f.get_tensor(k)).all()) for k in f.keys() if k.endswith("scales"))
