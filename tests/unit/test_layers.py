@@ -18,7 +18,8 @@ LAZY_OK = {"transformers", "datasets", "huggingface_hub", "gguf", "mlflow", "sql
 # CLI imports each stage inside the command that runs it, the formats' facts import their layouts where they
 # pack or decode, a method's facts import its per-layer job where a layer is processed.
 DEFERS = {          "quantize.formats": ("quantize.formats.", "quantize.methods.primitives", "torch"),
-          "quantize.methods.": ("quantize.methods.layer", "quantize.methods.awq_layer", "quantize.methods.gptq_layer"),
+          "quantize.methods.": ("quantize.methods.layer", "quantize.methods.awq_layer", "quantize.methods.gptq_layer",
+                                "quantize.methods.signround_layer"),
           # the deployability table: pre-flight reads its facts; its child process and command line import vLLM,
           # torch and the model code only where they run
           "quantize.preflight.deploy": ("",), "quantize.preflight.vllm_kernels": ("",),
