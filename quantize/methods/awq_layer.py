@@ -208,18 +208,23 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
 
 
 def _awq_errors(data: LayerData, arch: Arch, recipe, scaled: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Each AWQ linear's relative output error (`output_error.from_inputs`) on the tokens its scale search scored:
-    scaled weights W·s against their codes, on the scaled inputs X / s."""
+    """Each AWQ linear's relative output error on the tokens its scale search scored: scaled weights W·s against
+    their codes, on the scaled inputs X / s. Where `awq.input_gram` takes the Gram form (float32 inputs with
+    at least as many tokens as columns: the CPU) it comes from XᵀX, one per shared input (`output_error.from_hessian`,
+    the same quantity), else from the products with X (`output_error.from_inputs`)."""
     sizes = [t.shape[0] * t.shape[1] for t in data.inputs]
     chosen = search_batches(sizes, recipe.awq.search_tokens, recipe.calibration.seed + data.index)
-    input_of, rows = feature_of(arch), {}
+    input_of, rows, grams = feature_of(arch), {}, {}
     errors = {}
     with torch.no_grad():
         for n, w in scaled.items():
             key = input_of[n]
             if key not in rows:
                 rows[key] = rows_of(data.features[key], sizes, chosen)  # [tokens', in]
-            errors[n] = output_error.from_inputs(w, data.layer.get_submodule(n).weight.data, rows[key])
+                grams[key] = awq.input_gram(rows[key])  # [in, in] or None
+            q = data.layer.get_submodule(n).weight.data
+            errors[n] = (output_error.from_inputs(w, q, rows[key]) if grams[key] is None
+                         else output_error.from_hessian(w, q, grams[key]))
     return read_back(errors)
 
 

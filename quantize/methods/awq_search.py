@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .primitives import fake_quant, qparams
+from .primitives import fake_quant, qparams, symmetric_zero
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,12 @@ def _duo_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, ratio: float, duo_sc
 
 def _scaled_fake_quant(w: torch.Tensor, s: torch.Tensor, spec: QSpec) -> torch.Tensor:
     """w: [out, in], s: [in] -> Q(w · diag(s)) · diag(s)^-1 [out, in] in w's dtype."""
-    scaled = w.float() * s.view(1, -1)  # [out, in]
-    return (fake_quant(scaled, spec.w_bit, spec.group, symmetric=spec.symmetric) / s.view(1, -1)).to(w.dtype)
+    buf = w.float() * s.view(1, -1)  # [out, in] W·s, then in place: its fake-quant, then that / s
+    scales, zeros = qparams(buf, spec.w_bit, spec.group, symmetric=spec.symmetric)  # [out, in // g]
+    sc, z = scales.unsqueeze(-1), zeros.float().unsqueeze(-1)
+    # primitives.fake_quant's arithmetic, step for step, without a temporary per step
+    buf.view(w.shape[0], -1, spec.group).div_(sc).round_().add_(z).clamp_(0, 2**spec.w_bit - 1).sub_(z).mul_(sc)
+    return buf.div_(s.view(1, -1)).to(w.dtype)
 
 
 def grid_order(n_grid: int, coarse_step: int) -> Iterator[list[int]]:
@@ -198,9 +202,15 @@ def search_scales(
 
 def loss_gram(x_loss: torch.Tensor) -> torch.Tensor | None:
     """x_loss: [tokens, in] -> XᵀX [in, in] (fp32) for a single linear's search loss, or None where the direct
-    product X Δwᵀ is used: the Gram form pays only where that product would also run in fp32 (the CPU)."""
-    if x_loss.dtype == torch.float32 and x_loss.shape[0] >= x_loss.shape[1]:
-        return _gram(x_loss)
+    product X Δwᵀ is used (`input_gram`)."""
+    return input_gram(x_loss)
+
+
+def input_gram(x: torch.Tensor) -> torch.Tensor | None:
+    """x: [tokens, in] -> XᵀX [in, in] (fp32), or None where a squared error over x's rows is better taken from
+    the products with x themselves: the Gram form pays only where those would also run in fp32 (the CPU)."""
+    if x.dtype == torch.float32 and x.shape[0] >= x.shape[1]:
+        return _gram(x)
     return None
 
 
@@ -269,18 +279,32 @@ def search_clip(
     """
     out_f, in_f = w.shape
     g = spec.group
+    max_q = 2**spec.w_bit - 1
     wg = w.float().reshape(out_f, in_f // g, g)  # [out, n_group, g]
     w_max, w_min = wg.amax(dim=-1), wg.amin(dim=-1)  # [out, n_group]
     best_lo, best_hi = w_min.clone(), w_max.clone()
     min_err = torch.full_like(w_max, float("inf"))
+    delta = torch.empty_like(wg)  # one buffer for every candidate's Q(clamp(w)) - w
 
     def consider(lo: torch.Tensor, hi: torch.Tensor) -> None:
-        cur = torch.clamp(wg, lo.unsqueeze(-1), hi.unsqueeze(-1))  # [out, n_group, g]
-        delta = fake_quant(cur.reshape(out_f, in_f), spec.w_bit, g, symmetric=spec.symmetric).reshape(wg.shape) - wg
+        # fake_quant(clamp(w, lo, hi)) - w, value for value, without its reductions and temporaries: the clamped
+        # group's extremes are min(lo, hi) and hi (lo >= min w, hi <= max w; torch.clamp gives hi where lo > hi),
+        # so its qparams come straight from the range
+        lo_eff = torch.minimum(lo, hi)
+        if spec.symmetric:
+            s = torch.maximum(lo_eff.abs(), hi.abs()).clamp(min=1e-5) / (2 ** (spec.w_bit - 1) - 1)
+            z = torch.full_like(s, symmetric_zero(spec.w_bit))
+        else:
+            s = (hi - lo_eff).clamp(min=1e-5) / max_q
+            z = (-torch.round(lo_eff / s)).clamp(0, max_q)
+        s3, z3 = s.unsqueeze(-1), z.unsqueeze(-1)
+        torch.clamp(wg, lo.unsqueeze(-1), hi.unsqueeze(-1), out=delta)
+        delta.div_(s3).round_().add_(z3).clamp_(0, max_q).sub_(z3).mul_(s3).sub_(wg)  # [out, n_group, g]
         err = _group_err(delta, gram)  # [out, n_group]
         better = err < min_err
-        min_err[better] = err[better]
-        best_lo[better], best_hi[better] = lo[better], hi[better]
+        torch.where(better, err, min_err, out=min_err)
+        torch.where(better, lo, best_lo, out=best_lo)
+        torch.where(better, hi, best_hi, out=best_hi)
 
     steps = range(int(max_shrink * n_grid))
     abs_max = torch.maximum(w_max, -w_min)
