@@ -10,6 +10,7 @@ Accepted forms:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -91,17 +92,12 @@ def _package_file(spec: str) -> Path:
 def resolve(spec: str) -> ModelSource:
     """Recipe `model` -> ModelSource with a local directory (converting GGUF when needed)."""
     if spec.startswith("package:"):
-        gguf = _package_file(spec)
-        gguf_architecture(gguf, spec)
-        path, sha = gguf_to_dir(gguf)
-        return ModelSource(spec, path, "gguf", sha)
+        return _gguf_source(_package_file(spec), spec)
     p = Path(spec).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
             raise ModelSourceError(f"model {spec!r}: GGUF file {p} does not exist")
-        gguf_architecture(p, spec)
-        path, sha = gguf_to_dir(p)
-        return ModelSource(spec, path, "gguf", sha)
+        return _gguf_source(p, spec)
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelSourceError(f"model {spec!r}: directory {p} has no config.json")
@@ -137,9 +133,40 @@ def _looks_local(spec: str) -> bool:
     return "/" in spec and Path(head).is_dir()
 
 
+def _gguf_source(gguf: Path, spec: str) -> ModelSource:
+    """A GGUF file -> its converted directory. Its header is read first, so that an unsupported model is refused
+    before the file is hashed or converted; but reading it parses every metadata field, the tokenizer's
+    vocabulary included (seconds), so a file that was already converted (same path, size and modification time)
+    skips it: it passed that check then, and its converted config.json is checked again once loaded."""
+    if not _converted_before(gguf):
+        gguf_architecture(gguf, spec)
+    path, sha = gguf_to_dir(gguf)
+    return ModelSource(spec, path, "gguf", sha)
+
+
+def _stamp(gguf: Path) -> dict:
+    """What source.json records to recognise the file again without hashing it."""
+    st = gguf.stat()
+    return {"gguf": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _converted_before(gguf: Path) -> bool:
+    """Whether a finished conversion in the cache was made from this file as it is now (path, size, mtime)."""
+    try:
+        stamp = _stamp(gguf)
+        for d in (cache_dir() / "gguf").iterdir():
+            if d.name.startswith(f"{gguf.stem}-"):
+                with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+                    if {k: json.loads((d / "source.json").read_text()).get(k) for k in stamp} == stamp:
+                        return True
+    except OSError:  # no cache yet, or a cache root that is not a directory (the conversion reports it)
+        pass
+    return False
+
+
 def gguf_architecture(gguf: Path, spec: str) -> str:
-    """The transformers architecture of a GGUF file, from its header alone (milliseconds; nothing is converted
-    or written); ModelSourceError for a file that is not GGUF, UnsupportedArchitecture for a model we cannot take."""
+    """The transformers architecture of a GGUF file, from its metadata alone (nothing is converted or written);
+    ModelSourceError for a file that is not GGUF, UnsupportedArchitecture for a model we cannot take."""
     from gguf import GGUFReader
 
     try:
@@ -196,7 +223,7 @@ def _convert_once(gguf: Path, sha: str, target: Path) -> Path:
         raise _cache_unwritable(target, e) from None
     try:
         _convert_gguf(gguf, tmp)
-        (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": sha}, indent=2))
+        (tmp / "source.json").write_text(json.dumps({**_stamp(gguf), "sha256": sha}, indent=2))
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -623,3 +623,24 @@ def test_make_quantize_refuses_a_gpu_count_that_is_not_a_positive_number(gpus):
     assert p.returncode == 2
     assert f"error: GPUS={gpus}: give the number of processes" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_converted_gguf_skips_its_header(tiny_llama, tmp_path, monkeypatch):
+    """Reading the metadata parses the whole vocabulary (seconds for SmolLM2): a file already converted, unchanged
+    since, is taken from the cache without it; a changed file is read again."""
+    import shutil
+
+    from quantize.source import load as source
+
+    monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(source, "_convert_gguf",
+                        lambda gguf, into: [shutil.copy(p, into / p.name) for p in tiny_llama.iterdir()])
+    f = _gguf(tmp_path / "m.gguf", "llama")
+    reads = []
+    parse = source.gguf_architecture
+    monkeypatch.setattr(source, "gguf_architecture", lambda *a: reads.append(a) or parse(*a))
+    first = source.resolve(str(f)).path
+    assert len(reads) == 1
+    assert source.resolve(str(f)).path == first and len(reads) == 1
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))  # touched: maybe another file now
+    assert source.resolve(str(f)).path == first and len(reads) == 2
