@@ -213,6 +213,7 @@ def _convert_once(gguf: Path, sha: str, target: Path) -> Path:
     if target.exists():
         damage = _cache_damage(target, sha)
         if damage is None:
+            _restamp(target, gguf, sha)
             return target
         log.warning("GGUF conversion cache %s is damaged (%s); removing it and converting again", target, damage)
         shutil.rmtree(target)
@@ -228,6 +229,18 @@ def _convert_once(gguf: Path, sha: str, target: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _restamp(target: Path, gguf: Path, sha: str) -> None:
+    """Record the file as it is now in a finished conversion of the same bytes (a cache made before source.json
+    held the stamp, or a file touched since), so the next run recognises it without reading its metadata."""
+    src = target / "source.json"
+    stamp = {**_stamp(gguf), "sha256": sha}
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(src.read_text()) != stamp:
+            tmp = target / ".source.json.tmp"
+            tmp.write_text(json.dumps(stamp, indent=2))
+            os.replace(tmp, src)
 
 
 def _cache_damage(target: Path, sha: str) -> str | None:

@@ -644,3 +644,4 @@ def test_converted_gguf_skips_its_header(tiny_llama, tmp_path, monkeypatch):
     assert source.resolve(str(f)).path == first and len(reads) == 1
     os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))  # touched: maybe another file now
     assert source.resolve(str(f)).path == first and len(reads) == 2
+    assert source.resolve(str(f)).path == first and len(reads) == 2  # same bytes: the cache took the new stamp
