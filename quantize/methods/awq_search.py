@@ -280,8 +280,10 @@ def search_clip(
     out_f, in_f = w.shape
     g = spec.group
     max_q = 2**spec.w_bit - 1
-    wg = w.float().reshape(out_f, in_f // g, g)  # [out, n_group, g]
-    w_max, w_min = wg.amax(dim=-1), wg.amin(dim=-1)  # [out, n_group]
+    # group-major [n_group, out, g]: the error's batched product over groups reads it as it lies (an [out, n_group,
+    # g] operand is copied to this layout for every candidate); every other step is elementwise
+    wg = w.float().reshape(out_f, in_f // g, g).transpose(0, 1).contiguous()  # [n_group, out, g]
+    w_max, w_min = wg.amax(dim=-1), wg.amin(dim=-1)  # [n_group, out]
     best_lo, best_hi = w_min.clone(), w_max.clone()
     min_err = torch.full_like(w_max, float("inf"))
     delta = torch.empty_like(wg)  # one buffer for every candidate's Q(clamp(w)) - w
@@ -299,8 +301,8 @@ def search_clip(
             z = (-torch.round(lo_eff / s)).clamp(0, max_q)
         s3, z3 = s.unsqueeze(-1), z.unsqueeze(-1)
         torch.clamp(wg, lo.unsqueeze(-1), hi.unsqueeze(-1), out=delta)
-        delta.div_(s3).round_().add_(z3).clamp_(0, max_q).sub_(z3).mul_(s3).sub_(wg)  # [out, n_group, g]
-        err = _group_err(delta, gram)  # [out, n_group]
+        delta.div_(s3).round_().add_(z3).clamp_(0, max_q).sub_(z3).mul_(s3).sub_(wg)  # [n_group, out, g]
+        err = torch.einsum("nog,ngh,noh->no", delta, gram, delta)  # `_group_err`, group-major
         better = err < min_err
         torch.where(better, err, min_err, out=min_err)
         torch.where(better, lo, best_lo, out=best_lo)
@@ -319,7 +321,7 @@ def search_clip(
         hi = best_hi.clone()
         for i in steps:
             consider(w_min + half * (i / n_grid), hi)
-    return best_lo, best_hi
+    return best_lo.t().contiguous(), best_hi.t().contiguous()  # [out, n_group]
 
 
 def clip_grid(w: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None, spec: QSpec
