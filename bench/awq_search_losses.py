@@ -1,0 +1,128 @@
+"""Every AWQ block scale search's loss per ratio and per calibration batch, and what cheaper searches would pick.
+
+    python bench/awq_search_losses.py record RECIPE LOSSES.json [--out DIR]   # quantize (eval off), recording
+    python bench/awq_search_losses.py analyse LOSSES.json [--json OUT.json]   # exact pruning, screened searches
+
+`record` runs the recipe with every block search (`awq_search.search_scales` with an inspected block, i.e. not a
+single linear) evaluating all n_grid ratios on every batch, keeping each batch's squared error: the same ratios,
+losses and choice as the exhaustive search (`advanced.awq.coarse_step: 1`), so the artifact is the recipe's own.
+With `awq.propagate: fp` no choice changes a later layer's inputs, so what another search would pick can be read
+from these losses alone. `analyse` reports, over all searches:
+- exact pruning: evaluating the chosen ratio first and abandoning a candidate once its running loss passes the
+  best (the terms are non-negative) costs, at token granularity, sum(min(1, best / loss)) of the forwards;
+- screening: all ratios on a random subset of b batches, then the k best (and ratio 0) on every batch: how often
+  it picks the exhaustive search's ratio, the loss it gives up, and its cost in forwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def record(recipe: str, out_json: Path, out_root: Path) -> None:
+    import torch
+
+    import quantize.methods.awq_search as S
+    from quantize import runner
+
+    searches: list[dict] = []
+    exhaustive = S.search_scales
+
+    def recorded(x, linears, quantized, run_inspect, spec, n_grid=20, duo_scaling=True, coarse_step=1, x_loss=None,
+                 grid_batch=1, spread=None, reference=None, gram=None):
+        if run_inspect is None:  # a single linear: its loss has no per-batch form worth recording
+            return exhaustive(x, linears, quantized, run_inspect, spec, n_grid, duo_scaling, coarse_step, x_loss,
+                              grid_batch, spread, reference, gram)
+        x_mean = x.abs().mean(dim=0, dtype=torch.float32)
+        w = torch.cat([fc.weight.detach() for fc in linears], dim=0)
+        wg = w.abs().float().reshape(-1, spec.group)
+        w_mean = (wg / (wg.amax(dim=1, keepdim=True) + 1e-6)).reshape(w.shape).mean(dim=0)
+        originals = [fc.weight.detach().clone() for fc in linears]
+        reference = run_inspect() if reference is None else reference
+        n_out = sum(r.numel() for r in reference)
+        per = []
+        for i in range(n_grid):
+            s = S._duo_scales(x_mean, w_mean, i / n_grid, duo_scaling)
+            for fc, o, q in zip(linears, originals, quantized):
+                if q:
+                    fc.weight.data = S._scaled_fake_quant(o, s, spec)
+            per.append([(o.float() - r.float()).pow(2).sum().item() for o, r in zip(run_inspect(), reference)])
+        for fc, o in zip(linears, originals):
+            fc.weight.data = o
+        searches.append({"n_out": n_out, "batch_numel": [r.numel() for r in reference], "losses": per})
+        total = [sum(p) / n_out for p in per]
+        best = min(range(n_grid), key=total.__getitem__)
+        return S.ScaleSearch(S._duo_scales(x_mean, w_mean, best / n_grid, duo_scaling), best / n_grid,
+                             {i / n_grid: total[i] for i in range(n_grid)})
+
+    S.search_scales = recorded
+    art = runner.run(recipe, out_root=out_root, force=True)
+    out_json.write_text(json.dumps({"recipe": recipe, "artifact": str(art), "searches": searches}))
+    print(f"{len(searches)} block searches -> {out_json}")
+
+
+def analyse(path: Path) -> dict:
+    doc = json.loads(path.read_text())
+    searches = doc["searches"] if isinstance(doc, dict) else doc
+    n_batches, n_grid = len(searches[0]["losses"][0]), len(searches[0]["losses"])
+    pruned = 0.0
+    for r in searches:
+        full = [sum(x) for x in r["losses"]]
+        best = min(full)
+        pruned += 1 + sum(min(1.0, best / f) for i, f in enumerate(full) if i != full.index(best))
+    out = {"searches": len(searches), "batches": n_batches, "grid": n_grid,
+           "exact_pruning_cost": round(pruned / (n_grid * len(searches)), 4), "screened": []}
+    for b in range(1, n_batches):
+        for k in (1, 2, 3, 4, 5):
+            same, excess, cost = 0, [], 0.0
+            for j, r in enumerate(searches):
+                L = r["losses"]
+                full = [sum(x) for x in L]
+                best = min(range(n_grid), key=full.__getitem__)
+                subset = random.Random(j).sample(range(n_batches), b)
+                screen = [sum(x[i] for i in subset) for x in L]
+                kept = set(sorted(range(n_grid), key=screen.__getitem__)[:k]) | {0}
+                pick = min(kept, key=full.__getitem__)
+                same += pick == best
+                excess.append(full[pick] / full[best] - 1)
+                cost += n_grid * b / n_batches + len(kept) * (n_batches - b) / n_batches
+            out["screened"].append({"batches": b, "keep": k, "same_pick": same, "max_loss_excess": max(excess),
+                                    "mean_loss_excess": sum(excess) / len(excess),
+                                    "cost": round(cost / (n_grid * len(searches)), 4)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record")
+    r.add_argument("recipe")
+    r.add_argument("losses", type=Path)
+    r.add_argument("--out", type=Path, default=Path("/tmp/awq-search-losses"))
+    a = sub.add_parser("analyse")
+    a.add_argument("losses", type=Path)
+    a.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.cmd == "record":
+        record(args.recipe, args.losses, args.out)
+        return
+    result = analyse(args.losses)
+    print(f"{result['searches']} searches, {result['batches']} batches, grid {result['grid']}: exact pruning "
+          f"costs at least {result['exact_pruning_cost']:.2f} of the forwards")
+    for row in result["screened"]:
+        print(f"  screen on {row['batches']}/{result['batches']} batches, keep {row['keep']}: same pick "
+              f"{row['same_pick']}/{result['searches']}, loss given up max {row['max_loss_excess']:.2e} mean "
+              f"{row['mean_loss_excess']:.2e}, cost {row['cost']:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
