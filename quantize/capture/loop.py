@@ -250,7 +250,8 @@ def run_shared(
     Each layer moves to `device` once. The FP forward (layer outputs and linear inputs) is computed once for
     every job that propagates "fp" or wants the FP linear inputs or outputs; a job with a private chain gets its
     own inputs. With one job the layer is processed in place; with several, each job works on its own copy, so
-    every job sees the unmodified layer and computes exactly what it would compute alone. `job.keep(i, layer)` receives the layer as the job left it.
+    every job sees the unmodified layer and computes exactly what it would compute alone. `job.keep(i, layer)`
+    receives the layer as the job left it.
     checkpointer: a `checkpoint.Checkpointer`; the pass resumes after its last saved layer and saves as it goes.
     runlog: receives each layer's seconds and the parts of them (`runlog.LayerRecord`).
     dist: several ranks (`distributed.Dist`): each layer's forwards run on this rank's share of the batches and

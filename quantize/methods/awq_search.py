@@ -60,10 +60,15 @@ def _scaled_fake_quant(w: torch.Tensor, s: torch.Tensor, spec: QSpec) -> torch.T
     """w: [out, in], s: [in] -> Q(w · diag(s)) · diag(s)^-1 [out, in] in w's dtype."""
     buf = w.float() * s.view(1, -1)  # [out, in] W·s, then in place: its fake-quant, then that / s
     scales, zeros = qparams(buf, spec.w_bit, spec.group, symmetric=spec.symmetric)  # [out, in // g]
-    sc, z = scales.unsqueeze(-1), zeros.float().unsqueeze(-1)
-    # primitives.fake_quant's arithmetic, step for step, without a temporary per step
-    buf.view(w.shape[0], -1, spec.group).div_(sc).round_().add_(z).clamp_(0, 2**spec.w_bit - 1).sub_(z).mul_(sc)
+    _fake_quant_(buf.view(w.shape[0], -1, spec.group), scales, zeros.float(), spec.w_bit)
     return buf.div_(s.view(1, -1)).to(w.dtype)
+
+
+def _fake_quant_(wg: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, w_bit: int) -> torch.Tensor:
+    """wg: [..., g] grouped weights, scales/zeros: [...] (float) -> wg, overwritten with its fake-quant on that grid:
+    `primitives.quantize` then `dequantize`, step for step (the same values), without a temporary per step."""
+    sc, z = scales.unsqueeze(-1), zeros.unsqueeze(-1)
+    return wg.div_(sc).round_().add_(z).clamp_(0, 2**w_bit - 1).sub_(z).mul_(sc)
 
 
 def grid_order(n_grid: int, coarse_step: int) -> Iterator[list[int]]:
@@ -299,9 +304,8 @@ def search_clip(
         else:
             s = (hi - lo_eff).clamp(min=1e-5) / max_q
             z = (-torch.round(lo_eff / s)).clamp(0, max_q)
-        s3, z3 = s.unsqueeze(-1), z.unsqueeze(-1)
         torch.clamp(wg, lo.unsqueeze(-1), hi.unsqueeze(-1), out=delta)
-        delta.div_(s3).round_().add_(z3).clamp_(0, max_q).sub_(z3).mul_(s3).sub_(wg)  # [n_group, out, g]
+        _fake_quant_(delta, s, z, spec.w_bit).sub_(wg)  # [n_group, out, g]
         err = torch.einsum("nog,ngh,noh->no", delta, gram, delta)  # `_group_err`, group-major
         better = err < min_err
         torch.where(better, err, min_err, out=min_err)
