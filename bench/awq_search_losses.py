@@ -1,7 +1,7 @@
 """Every AWQ block scale search's loss per ratio and per calibration batch, and what cheaper searches would pick.
 
     python bench/awq_search_losses.py record RECIPE LOSSES.json [--out DIR]   # quantize (eval off), recording
-    python bench/awq_search_losses.py analyse LOSSES.json [--json OUT.json]   # exact pruning, screened searches
+    python bench/awq_search_losses.py analyse LOSSES.json [--json OUT.json] [--plot OUT.png]
 
 `record` runs the recipe with every block search (`awq_search.search_scales` with an inspected block, i.e. not a
 single linear) evaluating all n_grid ratios on every batch, keeping each batch's squared error: the same ratios,
@@ -11,7 +11,8 @@ from these losses alone. `analyse` reports, over all searches:
 - exact pruning: evaluating the chosen ratio first and abandoning a candidate once its running loss passes the
   best (the terms are non-negative) costs, at token granularity, sum(min(1, best / loss)) of the forwards;
 - screening: all ratios on a random subset of b batches, then the k best (and ratio 0) on every batch: how often
-  it picks the exhaustive search's ratio, the loss it gives up, and its cost in forwards.
+  it picks the exhaustive search's ratio, the loss it gives up, and its cost in forwards;
+- with --plot, each search's loss over the ratio relative to its minimum (one line a search): how jagged it is.
 """
 
 from __future__ import annotations
@@ -27,40 +28,32 @@ sys.path.insert(0, str(ROOT))
 
 
 def record(recipe: str, out_json: Path, out_root: Path) -> None:
-    import torch
-
     import quantize.methods.awq_search as S
     from quantize import runner
 
     searches: list[dict] = []
-    exhaustive = S.search_scales
+    search = S.search_scales
 
-    def recorded(x, linears, quantized, run_inspect, spec, n_grid=20, duo_scaling=True, coarse_step=1, x_loss=None,
-                 grid_batch=1, spread=None, reference=None, gram=None):
+    def recorded(x, linears, quantized, run_inspect, spec, *args, **kwargs):
+        """The search itself, its inspected block wrapped to keep each batch's squared error per candidate."""
         if run_inspect is None:  # a single linear: its loss has no per-batch form worth recording
-            return exhaustive(x, linears, quantized, run_inspect, spec, n_grid, duo_scaling, coarse_step, x_loss,
-                              grid_batch, spread, reference, gram)
-        x_mean = x.abs().mean(dim=0, dtype=torch.float32)
-        w = torch.cat([fc.weight.detach() for fc in linears], dim=0)
-        wg = w.abs().float().reshape(-1, spec.group)
-        w_mean = (wg / (wg.amax(dim=1, keepdim=True) + 1e-6)).reshape(w.shape).mean(dim=0)
-        originals = [fc.weight.detach().clone() for fc in linears]
-        reference = run_inspect() if reference is None else reference
-        n_out = sum(r.numel() for r in reference)
-        per = []
-        for i in range(n_grid):
-            s = S._duo_scales(x_mean, w_mean, i / n_grid, duo_scaling)
-            for fc, o, q in zip(linears, originals, quantized):
-                if q:
-                    fc.weight.data = S._scaled_fake_quant(o, s, spec)
-            per.append([(o.float() - r.float()).pow(2).sum().item() for o, r in zip(run_inspect(), reference)])
-        for fc, o in zip(linears, originals):
-            fc.weight.data = o
-        searches.append({"n_out": n_out, "batch_numel": [r.numel() for r in reference], "losses": per})
-        total = [sum(p) / n_out for p in per]
-        best = min(range(n_grid), key=total.__getitem__)
-        return S.ScaleSearch(S._duo_scales(x_mean, w_mean, best / n_grid, duo_scaling), best / n_grid,
-                             {i / n_grid: total[i] for i in range(n_grid)})
+            return search(x, linears, quantized, run_inspect, spec, *args, **kwargs)
+        reference = kwargs.get("reference") or run_inspect()
+        per: list[list[float]] = []  # per candidate, in the search's order
+
+        def inspect():
+            out = run_inspect()
+            per.append([(o.float() - r.float()).pow(2).sum().item() for o, r in zip(out, reference)])
+            return out
+
+        result = search(x, linears, quantized, inspect, spec, *args, **{**kwargs, "reference": reference})
+        n_grid = args[0] if args else kwargs.get("n_grid", 20)  # search_scales(x, ..., spec, n_grid, ...)
+        if len(per) != len(result.losses) or len(per) != n_grid:
+            raise SystemExit("error: the recipe's AWQ search is not exhaustive; set advanced.awq.coarse_step: 1")
+        order = [round(r * n_grid) for r in result.losses]  # the grid index of each candidate evaluated
+        searches.append({"n_out": sum(r.numel() for r in reference), "batch_numel": [r.numel() for r in reference],
+                         "losses": [per[order.index(i)] for i in range(n_grid)]})
+        return result
 
     S.search_scales = recorded
     art = runner.run(recipe, out_root=out_root, force=True)
@@ -99,6 +92,32 @@ def analyse(path: Path) -> dict:
     return out
 
 
+def plot(path: Path, png: Path) -> None:
+    """Each search's loss over the ratio, divided by its minimum: one line a search, the minima marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doc = json.loads(path.read_text())
+    searches = doc["searches"] if isinstance(doc, dict) else doc
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in searches:
+        full = [sum(x) for x in r["losses"]]
+        alphas = [i / len(full) for i in range(len(full))]
+        rel = [f / min(full) for f in full]
+        ax.plot(alphas, rel, lw=0.7, alpha=0.5, color="tab:blue")
+        ax.plot(alphas[rel.index(1.0)], 1.0, "o", ms=3, color="tab:red")
+    ax.set_yscale("log")
+    ax.set_xlabel("ratio α (scales mean|X|^α / mean|W|^(1-α))")
+    ax.set_ylabel("block output loss / the search's minimum")
+    ax.set_title(f"AWQ block scale searches of {doc.get('recipe', path.stem) if isinstance(doc, dict) else path.stem}"
+                 f" ({len(searches)}; red: the ratio chosen)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -109,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     a = sub.add_parser("analyse")
     a.add_argument("losses", type=Path)
     a.add_argument("--json", type=Path, default=None)
+    a.add_argument("--plot", type=Path, default=None, help="PNG: each search's loss over the ratio")
     args = ap.parse_args(argv)
     if args.cmd == "record":
         record(args.recipe, args.losses, args.out)
@@ -122,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{row['mean_loss_excess']:.2e}, cost {row['cost']:.2f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(args.losses, args.plot)
 
 
 if __name__ == "__main__":

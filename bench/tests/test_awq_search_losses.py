@@ -28,3 +28,5 @@ def test_recorded_run_is_the_recipe_and_its_losses_analyse(tiny_qwen2, tmp_path,
     assert 1 / grid <= result["exact_pruning_cost"] <= 1
     full = [r for r in result["screened"] if r["batches"] == 3]
     assert {r["keep"] for r in full} == {1, 2, 3, 4, 5} and all(0 <= r["same_pick"] <= 4 for r in full)
+    awq_search_losses.main(["analyse", str(tmp_path / "l.json"), "--plot", str(tmp_path / "l.png")])
+    assert (tmp_path / "l.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
