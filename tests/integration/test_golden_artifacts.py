@@ -2,11 +2,13 @@
 
 Each variant is quantized on the CPU in float32 from a tiny Llama built from its config (seed 0), and every file
 the artifact holds except the ones that record the run itself (manifest, report, model card: timings, dates,
-versions) is hashed. The pins are of one kernel path: torch's CPU matmuls differ in the last bit between
-instruction sets, so the artifacts are built in a child process held to the recorded capability
-(ATEN_CPU_CAPABILITY; an AVX-512 CPU also runs the AVX2 kernels), and the test is skipped, saying so, only on a
-CPU that cannot run that capability. The thread count is pinned too: a sum split over another number of threads
-rounds differently (GPTQ's codes move with it), so the child runs with the pins' count whatever the box has.
+versions) is hashed. The pins are per CPU class: torch's CPU matmuls differ in the last bit between
+instruction sets, and not only ATen's own kernels (which ATEN_CPU_CAPABILITY selects) but oneDNN's and MKL's,
+which follow the CPU's matrix extensions (AVX-512 BF16, AMX) whatever ATen is held to: an AVX-512 box held to
+AVX2 still writes other bytes than an AVX2 box. So each class (ATen's capability and those extensions) has its
+own pins, and a CPU of a class with none skips, saying so. The thread count is pinned too: a sum split over
+another number of threads rounds differently (GPTQ's codes move with it), so the child runs with the pins' count
+whatever the box has.
 Regenerate with `python tests/integration/test_golden_artifacts.py` after a change meant to alter the bytes.
 """
 
@@ -75,25 +77,39 @@ def build_all(tmp: Path) -> dict[str, dict[str, str]]:
         os.chdir(cwd)
 
 
-def _capability() -> str:
-    return torch.backends.cpu.get_cpu_capability()
+# the matrix extensions oneDNN and MKL pick kernels by (their bf16 and fp16 GEMMs round otherwise)
+MATRIX_FLAGS = ("avx512_bf16", "avx512_fp16", "amx_bf16")
 
 
-def _child_env(pinned: dict) -> dict[str, str]:
-    threads = str(pinned["threads"])
-    return {**os.environ, "ATEN_CPU_CAPABILITY": pinned["cpu_capability"].lower(), "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+def cpu_class() -> str:
+    """ATen's CPU capability and the matrix extensions present, e.g. 'AVX2' or 'AVX512+amx_bf16+avx512_bf16+...'."""
+    flags: set[str] = set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    return "+".join([torch.backends.cpu.get_cpu_capability(), *sorted(f for f in MATRIX_FLAGS if f in flags)])
+
+
+def _child_env(threads: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}  # the class's own kernels
+    return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
 def test_tiny_artifacts_are_byte_identical_to_the_pins(tmp_path):
-    pinned = json.loads(GOLDEN.read_text())
-    p = subprocess.run([sys.executable, __file__, "--hashes", str(tmp_path)], env=_child_env(pinned),
+    classes = json.loads(GOLDEN.read_text())["classes"]
+    here = cpu_class()
+    if here not in classes:
+        pytest.skip(f"no pins for this CPU class ({here}; pinned: {', '.join(classes)}); "
+                    f"`python {Path(__file__).relative_to(ROOT)}` on the code as landed adds them")
+    pinned = classes[here]
+    p = subprocess.run([sys.executable, __file__, "--hashes", str(tmp_path)], env=_child_env(pinned["threads"]),
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.splitlines()[-1])
-    assert got["threads"] == pinned["threads"], got["threads"]
-    if got["cpu_capability"] != pinned["cpu_capability"]:
-        pytest.skip(f"pins are of {pinned['cpu_capability']} kernels; this CPU runs {got['cpu_capability']} only")
+    assert (got["cpu_class"], got["threads"]) == (here, pinned["threads"]), got
     for name, files in pinned["artifacts"].items():
         assert got["artifacts"][name] == files, f"{name}: the artifact's bytes changed"
 
@@ -102,13 +118,17 @@ if __name__ == "__main__":
     import tempfile
 
     if sys.argv[1:2] == ["--hashes"]:  # the test's child: one JSON line on stdout
-        print(json.dumps({"cpu_capability": _capability(), "threads": torch.get_num_threads(),
+        print(json.dumps({"cpu_class": cpu_class(), "threads": torch.get_num_threads(),
                           "artifacts": build_all(Path(sys.argv[2]))}))
         raise SystemExit(0)
-    # regenerating: the pins record the capability and thread count they were built with, which the test's child
-    # then uses (set OMP_NUM_THREADS to choose; this box's default otherwise)
+    # regenerating this CPU class's pins (the other classes' stay: a change meant to alter the bytes regenerates
+    # each class on a box of it); they record the thread count they were built with, which the test's child then
+    # uses (set OMP_NUM_THREADS to choose; this box's default otherwise)
+    if "ATEN_CPU_CAPABILITY" in os.environ:
+        raise SystemExit("error: unset ATEN_CPU_CAPABILITY: the pins are of each CPU class's own kernels")
+    pins = json.loads(GOLDEN.read_text()) if GOLDEN.is_file() else {"classes": {}}
     with tempfile.TemporaryDirectory() as d:
-        record = {"cpu_capability": _capability(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                  "artifacts": build_all(Path(d))}
-    GOLDEN.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {GOLDEN}")
+        pins["classes"][cpu_class()] = {"threads": torch.get_num_threads(), "torch": torch.__version__,
+                                        "artifacts": build_all(Path(d))}
+    GOLDEN.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {cpu_class()}'s pins to {GOLDEN}")
