@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .primitives import fake_quant, qparams, symmetric_zero
+from .primitives import fake_quant, qparams, symmetric_scale, symmetric_zero
 
 
 @dataclass(frozen=True)
@@ -299,7 +299,7 @@ def search_clip(
         # so its qparams come straight from the range
         lo_eff = torch.minimum(lo, hi)
         if spec.symmetric:
-            s = torch.maximum(lo_eff.abs(), hi.abs()).clamp(min=1e-5) / (2 ** (spec.w_bit - 1) - 1)
+            s = symmetric_scale(lo_eff, hi, spec.w_bit)
             z = torch.full_like(s, symmetric_zero(spec.w_bit))
         else:
             s = (hi - lo_eff).clamp(min=1e-5) / max_q

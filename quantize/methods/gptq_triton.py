@@ -55,8 +55,10 @@ def group_qparams(W1, cols, start, group, inv_d, MAX_Q: tl.constexpr, SYMMETRIC:
     Same formula as `primitives.qparams`; the zero point uses the fp32 scale, as there."""
     gm = ((cols >= start) & (cols < start + group))[None, :]
     if SYMMETRIC:
-        amax = tl.max(tl.where(gm, tl.abs(W1), 0.0), axis=1)
-        s = div_scalar(tl.maximum(amax, 1e-5), (MAX_Q + 1) // 2 - 1.0, inv_d, RECIP)
+        mx = tl.max(tl.where(gm, W1, -float("inf")), axis=1)
+        mn = tl.min(tl.where(gm, W1, float("inf")), axis=1)
+        m = tl.maximum(tl.maximum(tl.abs(mx), tl.abs(mn)), 1e-5)
+        s = div_scalar(tl.where(tl.abs(mx) >= tl.abs(mn), -m, m), (MAX_Q + 1) // 2 * 1.0, inv_d, RECIP)
         z = tl.zeros_like(s) + (MAX_Q + 1) // 2
     else:
         mx = tl.max(tl.where(gm, W1, -float("inf")), axis=1)
@@ -65,7 +67,7 @@ def group_qparams(W1, cols, start, group, inv_d, MAX_Q: tl.constexpr, SYMMETRIC:
         z = tl.minimum(tl.maximum(-round_half_even(tl.math.div_rn(mn, s)), 0.0), MAX_Q * 1.0)
     if SCALE_KIND == 1:
         s = s.to(tl.float16).to(tl.float32)
-    elif SCALE_KIND == 2:  # to bf16 by round-to-nearest-even on the bits (s > 0, finite); the interpreter truncates
+    elif SCALE_KIND == 2:  # to bf16: round-to-nearest-even on the magnitude bits (s finite); the interpreter truncates
         b = s.to(tl.uint32, bitcast=True)
         b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
         s = b.to(tl.float32, bitcast=True)
@@ -135,7 +137,7 @@ def sweep_triton(W: torch.Tensor, W0: torch.Tensor, A: torch.Tensor, t: torch.Te
     assert W.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()
     block = triton.next_power_of_2(spec.block_size)
     max_q = 2**spec.w_bit - 1
-    divisor = 2 ** (spec.w_bit - 1) - 1 if spec.symmetric else max_q  # primitives.qparams' Python-scalar divisor
+    divisor = 2 ** (spec.w_bit - 1) if spec.symmetric else max_q  # primitives.qparams' Python-scalar divisor
     inv_d = (torch.tensor(1.0) / divisor).item()  # fp32 1/d, exactly as aten computes it
     t = t.contiguous()
     codes = torch.zeros(out_f, in_f, dtype=torch.uint8, device=W.device)

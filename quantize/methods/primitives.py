@@ -10,8 +10,11 @@ Granularity: one (scale, zero) pair per `group` consecutive input columns of eac
 | fake_quant    | w [out, in]                 | dequantize(quantize(w))                         |
 
 Asymmetric (symmetric=False): s = (max - min) / (2^b - 1), z = round(-min / s).
-Symmetric (symmetric=True): s = absmax / (2^(b-1) - 1), z = 2^(b-1) for every group (the value vLLM
-assumes for AutoAWQ GEMM without zero points and for symmetric GPTQ).
+Symmetric (symmetric=True): z = 2^(b-1) for every group (the value vLLM assumes for AutoAWQ GEMM without zero
+points and for symmetric GPTQ), so the codes stand for -2^(b-1) .. 2^(b-1) - 1 steps; the full range of them is
+used: the group's value of largest magnitude e lands exactly on the lowest, s = -e / 2^(b-1) (negative where e
+is positive), as llama.cpp's Q4_0 and AutoRound set it. An absmax / (2^(b-1) - 1) scale would leave one of the
+2^b codes unused.
 """
 
 from __future__ import annotations
@@ -30,11 +33,18 @@ def symmetric_zero(w_bit: int) -> int:
     return 2 ** (w_bit - 1)
 
 
+def symmetric_scale(lo: torch.Tensor, hi: torch.Tensor, w_bit: int) -> torch.Tensor:
+    """lo, hi: each group's extremes -> its full-range symmetric scale -e / 2^(b-1), e the extreme of larger
+    magnitude (hi on a tie) and |e| at least 1e-5. Differentiable in lo and hi (the SignRound range factors)."""
+    m = torch.maximum(lo.abs(), hi.abs()).clamp(min=1e-5)
+    return torch.where(hi.abs() >= lo.abs(), -m, m) / 2 ** (w_bit - 1)
+
+
 def qparams(w: torch.Tensor, w_bit: int, group: int, *, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """w: [out, in] -> scales: [out, in // g] (fp32), zeros: [out, in // g] (int32)."""
     wg = _grouped(w.float(), group)  # [out, n_group, g]
     if symmetric:
-        scales = wg.abs().amax(dim=-1).clamp(min=1e-5) / (2 ** (w_bit - 1) - 1)
+        scales = symmetric_scale(wg.amin(dim=-1), wg.amax(dim=-1), w_bit)
         zeros = torch.full_like(scales, symmetric_zero(w_bit))
     else:
         max_int = 2**w_bit - 1

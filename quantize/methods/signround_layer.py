@@ -20,6 +20,7 @@ from torch.func import functional_call
 from ..capture.device import clock as _clock
 from ..capture.loop import LayerData
 from .layer import first_output, local_linears, moe_linears, owned, qspec, round_to_nearest, store
+from .primitives import symmetric_scale
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class _Tuned:
         exactly its values); zeros rounded through the straight-through estimator when `ste`."""
         lo, hi = self.wmin * self.lo, self.wmax * self.hi
         if self.symmetric:
-            scales = torch.maximum(lo.abs(), hi.abs()).clamp(min=1e-5) / (2 ** (self.w_bit - 1) - 1)
+            scales = symmetric_scale(lo, hi, self.w_bit)
             return scales, torch.full_like(scales, 2 ** (self.w_bit - 1))
         max_int = 2**self.w_bit - 1
         scales = (hi - lo).clamp(min=1e-5) / max_int

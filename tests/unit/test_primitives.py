@@ -18,7 +18,7 @@ def test_fake_quant_properties(symmetric, group):
         assert row.unique().numel() <= 16
     # error bounded by half a step (plus clamping at the edges for symmetric)
     scales, _ = qparams(w, 4, group, symmetric=symmetric)
-    step = scales.repeat_interleave(group, dim=1)
+    step = scales.abs().repeat_interleave(group, dim=1)  # symmetric scales are signed
     bound = 1.0 if symmetric else 0.5
     assert ((w - wq).abs() <= bound * step + 1e-6).all()
 
@@ -32,6 +32,19 @@ def test_codes_range_and_symmetric_zero():
     assert codes.dtype == torch.uint8 and codes.min() >= 0 and codes.max() <= 15
     s, z = qparams(w, 4, 64, symmetric=False)
     assert z.min() >= 0 and z.max() <= 15
+
+
+def test_symmetric_grid_uses_every_code():
+    # the extreme of larger magnitude lands exactly on the lowest code, whichever its sign (a negative scale where
+    # it is positive), so a group spanning [-1, 1] reaches all 16 codes, not the 15 an absmax / 7 scale reaches
+    w = torch.stack([torch.linspace(-1, 1, 64), torch.linspace(-1, 0.5, 64), torch.linspace(-0.5, 2, 64)])
+    s, z = qparams(w, 4, 64, symmetric=True)
+    assert torch.equal(s[:, 0], torch.tensor([-1 / 8, 1 / 8, -2 / 8]))
+    codes = quantize(w, s, z, 4)
+    assert codes[0].unique().numel() == 16
+    w_hat = dequantize(codes, s, z)
+    assert w_hat[0, -1] == 1 and w_hat[1, 0] == -1 and w_hat[2, -1] == 2  # each extreme exact
+    assert ((w - w_hat).abs() <= s.abs() + 1e-6).all()  # the other side clips by at most one step
 
 
 def test_zero_point_exact_on_grid():
