@@ -101,7 +101,8 @@ def test_two_ranks_write_the_one_rank_artifact(small_llama, tmp_path, variant):
     if method == "awq":
         assert differ == [], f"AWQ on two ranks must be byte-identical; differ: {differ}"
     else:
-        assert set(differ) <= {"model.safetensors"}, differ
+        # the routed-token heatmap follows the router's choices, which may differ with the codes
+        assert set(differ) <= {"model.safetensors", "experts.png"}, differ
         a, b = _gptq_losses(one), _gptq_losses(two)
         assert a.keys() == b.keys() and len(a) == 14  # 2 layers x 7 linears
         far = {k: (a[k], b[k]) for k in a if abs(a[k] - b[k]) > GPTQ_LINEAR_LOSS_RTOL * a[k]}
@@ -191,7 +192,8 @@ def test_two_ranks_on_a_moe_model(tmp_path, method):
         assert e1 == e2, "routed token counts differ from one process's"
         assert differ == [], f"AWQ on two ranks must be byte-identical; differ: {differ}"
     else:
-        assert set(differ) <= {"model.safetensors"}, differ
+        # the routed-token heatmap follows the router's choices, which may differ with the codes
+        assert set(differ) <= {"model.safetensors", "experts.png"}, differ
         a, b = _gptq_losses(one), _gptq_losses(two)
         assert a.keys() == b.keys() and a
         assert abs(sum(a.values()) - sum(b.values())) <= GPTQ_TOTAL_LOSS_RTOL * sum(a.values())
