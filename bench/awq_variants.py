@@ -22,7 +22,8 @@ from quantize.recipe.load import _set_dotted
 from quantize.methods import awq_layer
 
 
-def _variant(base: recipe_mod.Recipe, label: str, overrides: str) -> recipe_mod.Recipe:
+def variant(base: recipe_mod.Recipe, label: str, overrides: str) -> recipe_mod.Recipe:
+    """base recipe, a label and comma-separated dotted overrides -> the variant recipe named <base>-<label>."""
     raw = base.to_dict()
     raw["name"] = f"{base.name}-{label}"
     for item in filter(None, overrides.split(",")):
@@ -57,7 +58,7 @@ def main() -> None:
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     base = recipe_mod.load_recipe(a.recipe)
-    recipes = [_variant(base, *v.split(":", 1)) for v in a.variants]
+    recipes = [variant(base, *v.split(":", 1)) for v in a.variants]
     share_scale_search()
     for out in runner.run_many(recipes, a.out, force=True):
         print(out)

@@ -128,6 +128,13 @@ def table(report: dict) -> str:
             lines += [""] + _pair(title, ours, peer)
             if ours:
                 lines += _first_layers(f"ours-{method}", ours)
+    ar = runs.get("autoround-awq")
+    if ar:
+        x = ar.get("extrapolated")
+        lines += ["", f"AutoRound default, w4 g128 asym: {'FAILED rc=' + str(ar.get('rc')) if not ar['ok'] else ''}"
+                  + (f"quantize_and_save {ar['quantize_and_save_s']} s, process {ar['total_s']} s" if ar["ok"] else "")
+                  + (f"; {x['per_layer_s']} s a layer x {x['total_layers']} layers = {x['quantize_and_save_s']} s"
+                     if x else "")]
     for method, c in (report.get("compare") or {}).items():
         lines += [""] + _compare(method, c)
     big = [(j, r) for j, r in runs.items() if "72b" in j]

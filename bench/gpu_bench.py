@@ -27,6 +27,11 @@ On the GPU host (offline; wheels collected by bench/peers/collect_wheels.sh into
                           against the three runs' sum, each variant's share, its checkpoint seconds, and whether
                           every variant's weights are byte-identical to its run alone
    llmc-awq / llmc-gptq   bench/peers/llmc_bench.py (oneshot, same calibration token blocks)
+   autoround-awq          bench/peers/autoround_quant.py: AutoRound 0.16.1's default recipe (200 iterations a
+                          block, batch 8), w4 g128 asymmetric, same calibration token blocks, bfloat16 weights
+                          (AutoRound tunes them under autocast on a GPU), exported AutoAWQ GEMM; needs auto-round
+                          and py-cpuinfo among the wheels. With --layers its seconds a layer are extrapolated to
+                          the config's layers (tuning, packing and saving all count: its one timed call does all)
    ours-72b-awq / -gptq   our pipeline on --layers-72b layers of the Qwen2.5-72B shape, extrapolated to all
                           layers of that config (ours-72b selects both)
 3. Writes $OUT/gpu_bench.json (or --out) after every job, so a command cut off at its limit keeps what
@@ -57,7 +62,7 @@ COMPARE_GROUPS = (32, 64, 128)  # the group sizes of the comparison jobs
 _ALONE = {m: tuple(f"ours-{m}-g{g}" for g in COMPARE_GROUPS) for m in ("awq", "gptq")}
 JOBS = ("ours-awq", "ours-gptq", "llmc-awq", "llmc-gptq", "ours-72b-awq", "ours-72b-gptq", "ours-gptq-onepass",
         "ours-gptq-tf32", "ours-gptq-warm", "ours-awq-classic", "ours-awq-gptq", *_ALONE["awq"], *_ALONE["gptq"],
-        "ours-awq-compare", "ours-gptq-compare")
+        "ours-awq-compare", "ours-gptq-compare", "autoround-awq")
 # ours first (ours-gptq compiles the Triton sweep on a fresh machine, ours-gptq-warm runs it from Triton's cache);
 # a comparison after its runs alone, so neither side pays a compile the other does not
 ALIASES = {"ours-72b": ("ours-72b-awq", "ours-72b-gptq"),
@@ -198,6 +203,11 @@ def job_command(job: str, model: str, args) -> list[str]:
     if job.startswith("ours"):
         return [args.ours_python, str(ROOT / "bench" / "bench_ours.py"), str(write_recipe(method, model, args)),
                 "--out-root", str(args.work / "artifacts"), *args.ours_extra.split()]
+    if job == "autoround-awq":
+        return [args.peer_python, str(ROOT / "bench" / "peers" / "autoround_quant.py"), "--recipe", "default",
+                "--model", model, "--out", str(args.work / "artifacts" / f"autoround-{Path(model).name}"),
+                "--device", args.device, "--n-samples", str(args.n_samples), "--seq-len", str(args.seq_len),
+                "--group-size", "128", "--compute-dtype", "bfloat16"]
     return [args.peer_python, str(ROOT / "bench" / "peers" / "llmc_bench.py"), "--method", method,
             "--model", model, "--out", str(args.work / "artifacts" / f"llmc-{method}-{Path(model).name}"),
             "--device", args.device, "--n-samples", str(args.n_samples), "--seq-len", str(args.seq_len),
@@ -303,6 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         if big and record["ok"] and record["per_layer"]["n"]:
             cfg = json.loads((ROOT / "bench" / "configs" / "qwen2.5-72b" / "config.json").read_text())
             record["extrapolated"] = extrapolate(record, cfg["num_hidden_layers"])
+        if job.startswith("autoround") and record["ok"] and not args.tiny:
+            cfg = json.loads((Path(b["path"]) / "config.json").read_text())
+            full = json.loads((ROOT / "bench" / "configs" / "qwen2.5-7b" / "config.json").read_text())
+            per = record["quantize_and_save_s"] / cfg["num_hidden_layers"]
+            record["extrapolated"] = {"measured_layers": cfg["num_hidden_layers"],
+                                      "total_layers": full["num_hidden_layers"], "per_layer_s": round(per, 2),
+                                      "quantize_and_save_s": round(per * full["num_hidden_layers"], 1)}
         report["runs"][job] = record
         report["compare"] = compare_summary(report["runs"])
         save()

