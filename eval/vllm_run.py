@@ -29,6 +29,25 @@ class VllmError(UserError, RuntimeError):
     pass
 
 
+def allow_amx() -> bool:
+    """Ask Linux for the AMX tile state in this process where the CPU has AMX -> whether it is granted.
+
+    vLLM's CPU build (0.32) computes a bfloat16 4-bit linear with AMX tile instructions (its `cpu_gemm_wna16`,
+    isa "amx") without asking for the tile state first (arch_prctl ARCH_REQ_XCOMP_PERM), and Linux stops a
+    process that runs them unasked with SIGILL: the worker dies on the first request ("Illegal instruction")
+    and a bfloat16 model such as Gemma never answers. torch's `_init_amx` asks. The grant is per process and
+    cleared by exec, and vLLM spawns its engine and worker processes, each of which imports the main module of
+    the command that started it (this one, or `eval.vllm_server`) as `__mp_main__`: that import asks in each.
+    """
+    init = getattr(torch.cpu, "_init_amx", None)
+    supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(init is not None and supported is not None and supported() and init())
+
+
+if __name__ in ("__main__", "__mp_main__"):  # a vLLM process: see allow_amx
+    allow_amx()
+
+
 def vllm_env(work: Path) -> dict[str, str]:
     """Environment for the vLLM CPU build: KV cache size, exact W4A16 numerics, caches under `work`."""
     env = dict(os.environ)

@@ -67,7 +67,7 @@ def test_register_alias_then_serve_the_registered_version(compared, sqlite_regis
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("models:/tiny-rs@champion: ") and lines[0].endswith("(manifest verified)")
     cmd = lines[1]
-    assert "-m vllm.entrypoints.openai.api_server --model" in cmd and "vllm-serve.yaml" in cmd
+    assert "-m eval.vllm_server --model" in cmd and "vllm-serve.yaml" in cmd
     assert "--port 8123" in cmd and "--host 127.0.0.1" in cmd
     assert not list(out.glob(".serve-registry-*"))  # the fetched copy is gone
 

@@ -78,7 +78,7 @@ def _api_servers() -> set[int]:
     import subprocess
 
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return {int(ln.split()[0]) for ln in ps.splitlines() if "vllm.entrypoints.openai.api_server" in ln}
+    return {int(ln.split()[0]) for ln in ps.splitlines() if "eval.vllm_server" in ln}
 
 
 @pytest.mark.vllm
