@@ -20,19 +20,34 @@ from eval.vllm_run import VllmError, root_cause, vllm_env
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def probe_input(in_features: int, dtype) -> "torch.Tensor":
+    """The fixed input [2, in_features] an unquantized linear is run on to read its weight back."""
+    import torch
+
+    return torch.randn(2, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+
 def linear_methods(model) -> dict[str, dict]:
-    """vLLM model -> {linear: {method, params: {name: dtype}, sum}}; `sum` of an unquantized weight checks that
-    vLLM holds the file's values. Runs inside the worker, so it must be importable there by this module's name."""
+    """vLLM model -> {linear: {method, params: {name: dtype}, output}}; `output` (an unquantized linear's result
+    on `probe_input`, as nested lists) checks that vLLM computes with the file's values: its CPU build may
+    prepack such a weight into oneDNN and leave the parameter empty, so the weight itself cannot be read back.
+    Runs inside the worker, so it must be importable there by this module's name."""
+    import torch
+
     out = {}
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if method is None or not name.rsplit(".", 1)[-1].endswith("_proj"):
             continue
         params = dict(module.named_parameters(recurse=False))
-        weight = params.get("weight")
+        output = None
+        if type(method).__name__ == "UnquantizedLinearMethod":
+            with torch.no_grad():
+                x = probe_input(module.input_size_per_partition, module.params_dtype)
+                output = method.apply(module, x).double().tolist()
         out[name] = {"method": type(method).__name__,
                      "params": {k: str(p.dtype).removeprefix("torch.") for k, p in sorted(params.items())},
-                     "sum": None if weight is None else float(weight.detach().double().sum())}
+                     "output": output}
     return out
 
 
