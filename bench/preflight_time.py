@@ -1,0 +1,108 @@
+"""Pre-flight time on a full-size checkpoint directory, on any machine: `python -m pipeline preflight`, each run
+in a fresh process, on a directory of the Qwen2.5-7B shape whose weight files hold only their safetensors headers
+(the data is a sparse hole: pre-flight reads headers, never weights, so a 15 GB directory costs no disk).
+
+    python bench/preflight_time.py [--config bench/configs/qwen2.5-7b] [--runs 3] [--json OUT.json]
+
+The recipe is the shipped qwen7b-awq-g128 with `model` pointing at that directory and `device: cpu`. Each run's
+`stage preflight` seconds (from its log) and process wall seconds are recorded. The first run may also fill the
+deploy table's cache (vLLM's kernel selection, asked once per vLLM version); it is reported, not dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from build_checkpoint import copy_tokenizer, shaped_config  # noqa: E402
+
+SHARDS = 4
+
+
+def headers_only(config_dir: Path, out: Path, tiny: bool = False) -> dict:
+    """A checkpoint directory of config_dir's shape (bf16, SHARDS shards and their index) whose files hold real
+    safetensors headers and sparse data -> {"tensors", "bytes"}. tiny: build_checkpoint's tiny shape (tests)."""
+    cfg = shaped_config(config_dir, None, tiny)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    sd = model.state_dict()
+    names = sorted(sd)
+    weight_map, total = {}, 0
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(SHARDS):
+        fname = f"model-{i + 1:05d}-of-{SHARDS:05d}.safetensors"
+        header, offset = {}, 0
+        for n in names[i::SHARDS]:
+            nbytes = sd[n].numel() * 2
+            header[n] = {"dtype": "BF16", "shape": list(sd[n].shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+            weight_map[n] = fname
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(out / fname, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            f.truncate(8 + len(raw) + offset)
+        total += offset
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}, indent=2))
+    cfg.save_pretrained(out)
+    copy_tokenizer(out)
+    return {"tensors": len(names), "bytes": total}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", type=Path, default=ROOT / "bench" / "configs" / "qwen2.5-7b")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="preflight-time-") as work_s:
+        work = Path(work_s)
+        ckpt = headers_only(args.config, work / "ckpt")
+        recipe = yaml.safe_load((ROOT / "recipes" / "qwen7b-awq-g128.yaml").read_text())
+        recipe.update(model=str(work / "ckpt"), device="cpu")
+        path = work / "qwen7b-awq-g128.yaml"
+        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        runs = []
+        for i in range(args.runs):
+            t0 = time.perf_counter()
+            p = subprocess.run([sys.executable, "-m", "pipeline", "preflight", str(path), "--out", str(work / "a"),
+                                "--json", str(work / f"plan-{i}.json")], env=env, cwd=ROOT, capture_output=True,
+                               text=True)
+            wall = time.perf_counter() - t0
+            m = re.search(r"stage preflight: done in ([\d.]+) s", p.stdout + p.stderr)
+            if p.returncode != 0 or m is None:
+                sys.exit(f"error: pre-flight run {i + 1} failed (exit {p.returncode}): {(p.stderr or p.stdout)[-800:]}")
+            runs.append({"preflight_s": float(m.group(1)), "process_s": round(wall, 2)})
+            print(f"run {i + 1}: stage preflight {m.group(1)} s, process {wall:.1f} s", flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    record = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "machine": platform.processor() or platform.machine(),
+              "cpus": os.cpu_count(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "config": str(args.config.resolve().relative_to(ROOT)) if args.config.resolve().is_relative_to(ROOT)
+              else str(args.config), "checkpoint": ckpt, "runs": runs}
+    print(json.dumps(record))
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
