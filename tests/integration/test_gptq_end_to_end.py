@@ -89,6 +89,10 @@ def test_asymmetric_gptq_format_refused_before_work(tiny_llama, tmp_path):
 @pytest.mark.parametrize("case", [c for c, v in CASES.items() if v.get("w_bit", 4) == 4])
 def test_vllm_loads_and_matches(case, gptq_artifacts):
     out = gptq_artifacts[case]
+    if not CASES[case].get("zero_point"):  # the full-range symmetric grid stores negative scales: vLLM must take them
+        with safe_open(str(out / "model.safetensors"), "pt") as st:
+            scales = [st.get_tensor(k) for k in st.keys() if k.endswith(".scales")]
+        assert scales and any((s < 0).any() for s in scales)
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(3, 512, (24,), generator=g).tolist() for _ in range(3)]
     res = run_vllm(out, ids, top_k=5, max_tokens=2)
