@@ -356,6 +356,8 @@ def _lm_eval_md(lm: LmEval | None) -> list[str]:
         lines += ["", f"lm-eval's vLLM backend: skipped ({v.skipped})."]
     elif v is not None and v.error is not None:
         lines += ["", f"lm-eval's vLLM backend failed: {v.error}"]
+    elif v is not None and v.exit is not None:
+        lines += ["", f"lm-eval's vLLM backend: {v.exit}."]
     for task, why in lm.not_run.items():
         lines += ["", f"- `{task}`: {why}"]
     return lines

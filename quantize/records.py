@@ -346,6 +346,7 @@ class LmScores(Record):
     cached: bool | None = None  # the reference's scores came from the reference cache
     error: str | None = None
     exit_code: int | None = None
+    exit: str | None = None  # the vLLM child's abort after it wrote its scores (they stand)
     skipped: str | None = None
 
 
