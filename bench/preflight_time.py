@@ -90,12 +90,13 @@ def main() -> None:
             wall = time.perf_counter() - t0
             m = re.search(r"stage preflight: done in ([\d.]+) s", p.stdout + p.stderr)
             if p.returncode != 0 or m is None:
-                sys.exit(f"error: pre-flight run {i + 1} failed (exit {p.returncode}): {(p.stderr or p.stdout)[-800:]}")
+                tail = (p.stderr or p.stdout)[-800:]
+                sys.exit(f"error: pre-flight run {i + 1} failed (exit {p.returncode}): {tail}")
             runs.append({"preflight_s": float(m.group(1)), "process_s": round(wall, 2)})
             print(f"run {i + 1}: stage preflight {m.group(1)} s, process {wall:.1f} s", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
-    record = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "machine": platform.processor() or platform.machine(),
+    record = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "machine": platform.machine(),
               "cpus": os.cpu_count(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "config": str(args.config.resolve().relative_to(ROOT)) if args.config.resolve().is_relative_to(ROOT)
               else str(args.config), "checkpoint": ckpt, "runs": runs}
