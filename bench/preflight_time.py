@@ -28,8 +28,8 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from build_checkpoint import copy_tokenizer, shaped_config  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from bench.build_checkpoint import copy_tokenizer, shaped_config  # noqa: E402
 
 SHARDS = 4
 
