@@ -168,11 +168,11 @@ def run_vllm(artifact: Path, tasks: list[str], limit: int | None, dtype: str, ti
 
 def _results(work: Path) -> dict | None:
     """The scores of the results file lm-eval wrote under work, or None (none, or not whole JSON)."""
+    from .vllm_run import whole_json
+
     found = sorted(work.rglob("results*.json"))
-    try:
-        return _scores(json.loads(found[-1].read_text())) if found else None
-    except json.JSONDecodeError:
-        return None
+    results = whole_json(found[-1]) if found else None
+    return None if results is None else _scores(results)
 
 
 def difference(reference: dict, quantized: dict) -> dict[str, dict[str, float]]:

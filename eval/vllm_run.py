@@ -85,7 +85,7 @@ def run_vllm(model_dir: Path, token_ids: list[list[int]], top_k: int = 5, max_to
                                   cwd=Path(__file__).resolve().parent.parent)
         except subprocess.TimeoutExpired as e:
             raise VllmError(f"vLLM did not finish within {timeout:.0f} s on {model_dir}") from e
-        result = _whole_json(work / "out.json")
+        result = whole_json(work / "out.json")
         # the CPU build may abort (SIGABRT) in its teardown after the child wrote its whole result: that stands
         if result is None or proc.returncode not in (0, -signal.SIGABRT):
             log = (proc.stdout or "") + (proc.stderr or "")
@@ -94,7 +94,8 @@ def run_vllm(model_dir: Path, token_ids: list[list[int]], top_k: int = 5, max_to
         return result
 
 
-def _whole_json(path: Path) -> dict | None:
+def whole_json(path: Path) -> dict | None:
+    """A vLLM child's result file, or None where it is missing or not whole JSON (the child died writing it)."""
     try:
         return json.loads(path.read_text()) if path.is_file() else None
     except json.JSONDecodeError:
