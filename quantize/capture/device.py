@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..methods import gptq_sweep as gptq
+from . import hostpages
 from ..errors import UserError
 
 log = logging.getLogger(__name__)
@@ -99,13 +100,16 @@ def device_copy(module: nn.Module, device: torch.device, dtype: torch.dtype | No
 class Uploader:
     """Device copies of decoder layers, the next one made on a side CUDA stream by a worker thread while the
     current layer is worked on (profile, H200, 7B shape: ~0.1 s per layer of host-to-device copies that the
-    GPU otherwise waits for). On other devices the copy is made when asked for."""
+    GPU otherwise waits for). On other devices the copy is made when asked for. Once a copy is made, the layer's
+    memory-mapped checkpoint pages are unmapped from this process (`hostpages`): they are not read again but for
+    the tensors export writes unconverted, which fault back in from the file."""
 
     def __init__(self, layers, device: torch.device):
         self.layers, self.device = layers, device
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="upload") if device.type == "cuda" else None
         self.stream = torch.cuda.Stream(device) if self.pool is not None else None
         self.pending: dict[int, tuple[torch.dtype, Future]] = {}
+        self.released = 0  # bytes of memory-mapped checkpoint pages unmapped once their layer was copied
 
     def request(self, i: int, dtype: torch.dtype) -> None:
         """Start copying layer i (if there is one) in the background."""
@@ -116,6 +120,11 @@ class Uploader:
         with torch.cuda.stream(self.stream):
             m = device_copy(self.layers[i], self.device, dtype)
         self.stream.synchronize()  # the copy is complete before the main stream sees it
+        return self._made(i, m)
+
+    def _made(self, i: int, m: nn.Module) -> nn.Module:
+        """Layer i's device copy `m` exists: unmap the host pages of the checkpoint it was read from."""
+        self.released += hostpages.release_module(self.layers[i], m)
         return m
 
     def get(self, i: int, dtype: torch.dtype) -> nn.Module:
@@ -128,7 +137,7 @@ class Uploader:
                 for t in [*m.parameters(), *m.buffers()]:
                     t.record_stream(main)  # the allocator must not hand this memory to the side stream too early
                 return m
-        return device_copy(self.layers[i], self.device, dtype)
+        return self._made(i, device_copy(self.layers[i], self.device, dtype))
 
     def close(self) -> None:
         if self.pool is not None:

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from ..errors import UserError
 from ..source.arch import Arch, decoder_layers, get_module
+from . import hostpages
 from .device import Uploader, clock, device_copy, release_cache
 from .distributed import Dist
 from ..progress import Progress
@@ -119,6 +120,7 @@ def first_layer_inputs(
     finally:
         for path, original in reversed(originals):
             _swap(model, path, original)
+        hostpages.release_module(get_module(model, arch.embed), swapped[0][1])  # read again only by export
     inputs = [h for i, h, _ in captured if i == 0]
     per_layer = [[kw for i, _, kw in captured if i == j] for j in range(len(layers))]
     return inputs, per_layer
@@ -280,6 +282,9 @@ def run_shared(
         p.uploader.close()
     seconds = {k: round(v, 3) for k, v in p.seconds.items()}
     log.info("pass seconds: %s", seconds)
+    if p.uploader.released:
+        log.info("unmapped %.2f GB of the checkpoint's host pages once their layers were on %s",
+                 p.uploader.released / 1e9, device)
     return p.notes, seconds
 
 
