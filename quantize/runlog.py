@@ -39,6 +39,7 @@ class RunLog:
     peak_allocated_bytes / peak_reserved_bytes: torch.cuda's peaks at the end of the pass on a CUDA device
     (since the process started or the caller last reset them), None elsewhere.
     device: where the pass ran: the device, the compute dtype and the CUDA allocator settings (None off CUDA).
+    export_parts: the export stage's parts summed over the run's artifacts (`export.artifact.write_artifact`).
     """
 
     stages: dict[str, float] = field(default_factory=dict)
@@ -46,6 +47,7 @@ class RunLog:
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     device: dict = field(default_factory=dict)
+    export_parts: dict[str, float] = field(default_factory=dict)
 
     def layer(self, index: int) -> LayerRecord:
         """The record of decoder layer `index`, created on first use."""

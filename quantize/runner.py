@@ -282,15 +282,18 @@ def _write_all(recipes, jobs, pf: Checked, outs: list[Path], model, timings: Tim
     run = RunRecord(pf.src, pf.config, tied, device, compute_dtype, storage_dtype, dtype, pf.calib_record, shared,
                     numerics, pass_seconds, provenance)
     t_export = time.perf_counter()
+    parts: dict[str, float] = {}
     for job, the_plan, out in zip(jobs, pf.plans, outs):
         stages = dict(timings.stages)
         if shared:
             stages["quantize"] = round(job.seconds, 3)
-        write_artifact(job, the_plan, out, model, stages, force, run)
+        for k, v in write_artifact(job, the_plan, out, model, stages, force, run).items():
+            parts[k] = round(parts.get(k, 0.0) + v, 3)
     if ckpt is not None:
         ckpt.clear()  # every artifact is in place
     if runlog is not None:  # export: every artifact's (each manifest has its own)
         runlog.stages.update(timings.stages, export=round(time.perf_counter() - t_export, 3))
+        runlog.export_parts = parts
         runlog.device.update(device=str(device), compute_dtype=str(compute_dtype).removeprefix("torch."),
                              cuda_allocator=pf.cuda_allocator)
         if device.type == "cuda":

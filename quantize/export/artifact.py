@@ -41,19 +41,29 @@ class RunRecord:
     provenance: dict  # versions, git, cuda_allocator
 
 
-def write_artifact(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run: RunRecord) -> None:
-    """Pack one job's results and write its artifact directory atomically (timed into its manifest)."""
+def write_artifact(job: Job, the_plan, out: Path, model, stages: dict, force: bool,
+                   run: RunRecord) -> dict[str, float]:
+    """Pack one job's results and write its artifact directory atomically (timed into its manifest) -> the
+    seconds of export's parts: pack, state (the tensors gathered and checked finite), files (weights, config,
+    tokenizer), card (plots, model card, manifest record), seal (hashes, fsync, rename)."""
     recipe = job.recipe
     t0 = time.perf_counter()
+    parts: dict[str, float] = {}
     packed, qcfg = pack_all(job.results, recipe, list(the_plan.skipped), run.dtype, run.device)
+    t1 = time.perf_counter()
+    parts["pack"] = t1 - t0
     drop = {"lm_head.weight"} if run.tied else set()
     tensors = export.build_state_dict(model, packed, run.dtype, drop, job.overrides)
     tensors = {checkpoint_name(job.arch, k): t for k, t in tensors.items()}  # the names vLLM reads
     export.check_finite(tensors, f"the checkpoint {run.src.path}")
+    parts["state"] = time.perf_counter() - t1
 
     def fill(tmp: Path) -> Manifest:
+        t2 = time.perf_counter()
         copied = export.write_model_dir(tmp, model, tensors, qcfg, run.dtype, run.src.path,
                                         source.TOKENIZER_FILES, recipe.to_dict(), recipe.max_shard_size)
+        t3 = time.perf_counter()
+        parts["files"] = t3 - t2
         (tmp / "preflight.json").write_text(the_plan.to_json() + "\n")
         serve = serve_config.build(recipe, the_plan)
         (tmp / serve_config.SERVE_CONFIG).write_text(serve_config.render(serve))
@@ -90,10 +100,15 @@ def write_artifact(job: Job, the_plan, out: Path, model, stages: dict, force: bo
         if modelcard.plot_errors(extras, tmp / modelcard.ERROR_PLOT):
             extras.error_plot = modelcard.ERROR_PLOT
         (tmp / "README.md").write_text(modelcard.render(extras))
+        parts["card"] = time.perf_counter() - t3
         return extras
 
     export.atomic_write_dir(out, fill, force=force)
-    log.info("wrote %s (%s)", out, ", ".join(f"{k} {v:.1f}s" for k, v in stages.items()))
+    parts["seal"] = time.perf_counter() - t0 - sum(parts.values())
+    parts = {k: round(v, 3) for k, v in parts.items()}
+    log.info("wrote %s (%s); export: %s", out, ", ".join(f"{k} {v:.1f}s" for k, v in stages.items()),
+             ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()))
+    return parts
 
 
 def notes(tied: bool, storage: torch.dtype, dtype: torch.dtype) -> list[str]:
