@@ -38,15 +38,17 @@ def record(recipe: str, out_json: Path, out_root: Path) -> None:
         """The search itself, its inspected block wrapped to keep each batch's squared error per candidate."""
         if run_inspect is None:  # a single linear: its loss has no per-batch form worth recording
             return search(x, linears, quantized, run_inspect, spec, *args, **kwargs)
-        reference = kwargs.get("reference") or run_inspect()
+        reference = kwargs.get("reference") or list(run_inspect())
         per: list[list[float]] = []  # per candidate, in the search's order
 
         def inspect():
-            out = run_inspect()
+            out = list(run_inspect())
             per.append([(o.float() - r.float()).pow(2).sum().item() for o, r in zip(out, reference)])
             return out
 
-        result = search(x, linears, quantized, inspect, spec, *args, **{**kwargs, "reference": reference})
+        # every candidate's every batch: no candidate stopped early
+        result = search(x, linears, quantized, inspect, spec, *args, **{**kwargs, "reference": reference,
+                                                                        "prune": False})
         n_grid = args[0] if args else kwargs.get("n_grid", 20)  # search_scales(x, ..., spec, n_grid, ...)
         if len(per) != len(result.losses) or len(per) != n_grid:
             raise SystemExit("error: the recipe's AWQ search is not exhaustive; set advanced.awq.coarse_step: 1")

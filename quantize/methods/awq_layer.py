@@ -28,7 +28,8 @@ from .layer import (QuantResult, batches, cost, expert_hidden, feature_of, first
 
 def _search_stats(r) -> dict:
     """An AWQ scale search's record: the chosen ratio, its loss, round-to-nearest's loss, candidates tried."""
-    return {"best_ratio": r.ratio, "loss": r.losses[r.ratio], "loss_rtn": r.losses[0.0], "n_evaluated": len(r.losses)}
+    return {"best_ratio": r.ratio, "loss": r.losses[r.ratio], "loss_rtn": r.losses[0.0], "n_evaluated": len(r.losses),
+            "n_pruned": r.pruned}
 
 
 def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], recipe, spec: awq.QSpec,
@@ -48,19 +49,19 @@ def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], 
     block = layer.get_submodule(g.inspect) if g.inspect else None
     if block is None:
         run_inspect = None  # the single linear itself: loss from XᵀX or X ΔWᵀ, no forward per grid point
-    elif g.inspect_takes_layer_kwargs:
+    elif g.inspect_takes_layer_kwargs:  # generators: the search may stop a candidate after any batch
         def run_inspect():
-            return [first_output(block(hidden_states=xi, **kw)) for xi, kw in zip(xb, kwargs)]
+            return (first_output(block(hidden_states=xi, **kw)) for xi, kw in zip(xb, kwargs))
     else:
         def run_inspect():
-            return [first_output(block(xi)) for xi in xb]
+            return (first_output(block(xi)) for xi in xb)
     reference = gram = None
     with torch.no_grad():
         if shared is not None:  # the name holds what the value depends on besides the shared inputs
             weights = next((linears[0] if block is None else block).parameters()).dtype
             key = ("awq.search", g.inspect or g.linears[0], tuple(chosen), x.dtype, weights)
             if key not in shared:
-                shared[key] = awq.loss_gram(x_loss) if run_inspect is None else run_inspect()
+                shared[key] = awq.loss_gram(x_loss) if run_inspect is None else list(run_inspect())
             gram, reference = (shared[key], None) if run_inspect is None else (None, shared[key])
         return awq.search_scales(x, linears, quantized, run_inspect, spec, opts.n_grid, opts.duo_scaling,
                                  coarse_step=fast.coarse_step, x_loss=x_loss, grid_batch=fast.grid_batch,

@@ -31,7 +31,7 @@ Cheaper searches (recipe options, see docs/BENCHMARKS.md for what each costs in 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -100,6 +100,7 @@ class ScaleSearch:
     scales: torch.Tensor
     ratio: float
     losses: dict[float, float]  # α -> loss, in evaluation order; α = 0 (round-to-nearest) is always present
+    pruned: int = 0  # candidates stopped before their last batch: their loss had passed the best whole one
 
 
 def _linear_losses(deltas: torch.Tensor, x: torch.Tensor, gram: torch.Tensor | None) -> list[float]:
@@ -132,6 +133,7 @@ def search_scales(
     spread: Callable[[Callable[[list], list[float]], list, int], list[float]] | None = None,
     reference: list[torch.Tensor] | None = None,
     gram: torch.Tensor | None = None,
+    prune: bool = True,
 ) -> ScaleSearch:
     """x: [tokens, in] shared input of `linears` -> best scales [in] (fp32), ratio and losses.
 
@@ -147,6 +149,9 @@ def search_scales(
     candidates (the batches one matmul evaluates), so every loss is computed as it would be here.
     reference: run_inspect()'s output with the weights as they are, gram: `loss_gram(x_loss)`, when the caller
     has them (several searches on the same inputs and weights need them once).
+    prune: with an inspected block, stop a candidate's batches once its running loss passes the best whole loss
+    so far (`_block_loss`): the same pick, fewer block forwards; its loss is then not in `losses`. run_inspect may
+    return a generator, so that a stopped candidate's remaining batches are never run.
     Weights are restored before returning.
     """
     x_loss = x if x_loss is None else x_loss
@@ -168,29 +173,35 @@ def search_scales(
                 out += _linear_losses(deltas, x_loss, gram)
             return out
     else:
-        reference = run_inspect() if reference is None else reference
+        reference = list(run_inspect()) if reference is None else reference
         n_out = sum(r.numel() for r in reference)
 
-        def losses_of(cands: list[torch.Tensor]) -> list[float]:
-            out = []
+        def losses_of(cands: list[torch.Tensor]) -> list[float | None]:
+            out: list[float | None] = []
+            bound = best_loss if prune else float("inf")
             for s in cands:
                 for fc, orig, q in zip(linears, originals, quantized):
                     if q:
                         fc.weight.data = _scaled_fake_quant(orig, s, spec)
-                err = sum((o.float() - r.float()).pow(2).sum() for o, r in zip(run_inspect(), reference))
-                out.append(err.item() / n_out)
+                out.append(_block_loss(run_inspect(), reference, n_out, bound))
+                if prune and out[-1] is not None and out[-1] < bound:
+                    bound = out[-1]
             return out
 
     evaluate = spread or (lambda fn, cands, chunk: fn(cands))
     chunk = grid_batch if run_inspect is None else 1
     losses: dict[float, float] = {}
-    best_i, best_loss = None, float("inf")
+    best_i, best_loss, pruned = None, float("inf"), 0
+    prune = prune and spread is None  # ranks evaluating shares of a round would each know only their own best
     rounds = grid_order(n_grid, coarse_step)
     try:
         idx = next(rounds)
         while True:
             cands = [_duo_scales(x_mean, w_mean, i / n_grid, duo_scaling) for i in idx]
             for i, loss in zip(idx, evaluate(losses_of, cands, chunk)):
+                if loss is None:  # stopped once its partial loss passed a candidate's whole one
+                    pruned += 1
+                    continue
                 losses[i / n_grid] = loss
                 if loss < best_loss:
                     best_i, best_loss = i, loss
@@ -202,7 +213,23 @@ def search_scales(
             fc.weight.data = orig
     if best_i is None:  # every loss was NaN/inf
         raise FloatingPointError("AWQ scale search produced no finite loss (NaN/inf in activations or weights)")
-    return ScaleSearch(_duo_scales(x_mean, w_mean, best_i / n_grid, duo_scaling), best_i / n_grid, losses)
+    return ScaleSearch(_duo_scales(x_mean, w_mean, best_i / n_grid, duo_scaling), best_i / n_grid, losses, pruned)
+
+
+def _block_loss(outputs: Iterable[torch.Tensor], reference: list[torch.Tensor], n_out: int,
+                bound: float) -> float | None:
+    """Mean squared difference of a candidate's per-batch block outputs from the reference -> the loss, or None as
+    soon as the running sum passes `bound` (the best whole loss so far): the batches' squared errors are >= 0 and
+    float addition of non-negative terms never decreases, so such a candidate's whole loss is above `bound` too
+    and it cannot be the search's pick; stopping skips its remaining block forwards, the pick is the same.
+    The sum is formed batch by batch in order, as one `sum` over the batches forms it."""
+    err, last = None, len(reference) - 1
+    for b, (o, r) in enumerate(zip(outputs, reference)):
+        e = (o.float() - r.float()).pow(2).sum()
+        err = e if err is None else err + e
+        if b < last and bound != float("inf") and err.item() / n_out > bound:  # after the last: nothing to skip
+            return None
+    return err.item() / n_out
 
 
 def loss_gram(x_loss: torch.Tensor) -> torch.Tensor | None:

@@ -114,6 +114,32 @@ def test_coarse_to_fine_finds_the_exhaustive_minimum():
         assert full.losses[fast.ratio] <= 1.01 * full.losses[full.ratio], (seed, fast.ratio, full.ratio)
 
 
+def test_pruned_search_picks_what_the_whole_search_picks_with_fewer_block_forwards():
+    """A candidate stopped once its running loss passes the best whole loss cannot be the pick: same ratio and
+    scales, the same loss for every candidate run to its end, fewer batches run."""
+    stopped = 0
+    for seed in range(4):
+        x, linears, mlp = _mlp_problem(seed)
+        xb = x.split(128)  # 8 batches
+        runs = {True: 0, False: 0}
+
+        def inspect(prune):
+            def run():
+                for xi in xb:
+                    runs[prune] += 1
+                    yield mlp(xi)
+            return run
+
+        full = awq.search_scales(x, linears, [True, True], inspect(False), SPEC, n_grid=20, prune=False)
+        fast = awq.search_scales(x, linears, [True, True], inspect(True), SPEC, n_grid=20)
+        assert fast.ratio == full.ratio and torch.equal(fast.scales, full.scales)
+        assert fast.losses == {a: full.losses[a] for a in fast.losses} and full.ratio in fast.losses
+        assert len(fast.losses) + fast.pruned == len(full.losses) == 20 and full.pruned == 0
+        assert runs[True] < runs[False] == 8 * 21  # the reference, then 20 candidates
+        stopped += fast.pruned
+    assert stopped > 0
+
+
 def test_token_subset_picks_near_exhaustive_scales():
     """Loss on a quarter of the tokens: the chosen ratio is within two grid steps, its full loss within 2%."""
     for seed in range(4):
