@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -89,10 +89,48 @@ def file_hashes(root: Path, sync: bool = False) -> dict[str, FileRecord]:
     return {str(p.relative_to(root)): FileRecord(sha256=h, bytes=p.stat().st_size) for p, h in zip(files, digests)}
 
 
-def write(root: Path, extras: Manifest) -> Manifest:
-    """Hash (and fsync) every file under root and write the manifest: extras + `files` -> the manifest."""
+def _seal_one(p: Path) -> str:
+    digest = sha256_file(p)
+    fsync_path(p)
+    return digest
+
+
+class Sealer:
+    """Hash and fsync a directory's files in background threads, each one as soon as the writer says it is
+    final, so that a shard's hashing and write-back run while the next shard is written (a 7B artifact: four
+    shards of ~1.4 GB, ~1.2 s of hashing each on the H200 host); `files()` seals the rest and waits."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="seal")
+        self.pending: dict[Path, Future] = {}
+
+    def add(self, path: Path) -> None:
+        """`path` (under root) is written and will not change: hash and fsync it in the background."""
+        path = Path(path)
+        if path not in self.pending:
+            self.pending[path] = self.pool.submit(_seal_one, path)
+
+    def files(self) -> dict[str, FileRecord]:
+        """Every file under root except the manifest -> its sha256 and bytes, each fsynced (those not yet added
+        are sealed now, in parallel), in path order."""
+        files = [p for p in sorted(self.root.rglob("*")) if p.is_file() and p.name != MANIFEST]
+        for p in files:
+            self.add(p)
+        return {str(p.relative_to(self.root)): FileRecord(sha256=self.pending[p].result(), bytes=p.stat().st_size)
+                for p in files}
+
+    def close(self) -> None:
+        """Stop: queued work is dropped, running work finishes (call before the directory is removed or renamed)."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def write(root: Path, extras: Manifest, sealer: Sealer | None = None) -> Manifest:
+    """Hash (and fsync) every file under root and write the manifest: extras + `files` -> the manifest. sealer:
+    the one the files were written under (those it was given are sealed already or under way)."""
     manifest = extras.written().model_copy()
-    manifest.files = file_hashes(root, sync=True)  # an assignment: `files` counts as set, so it is written
+    # an assignment: `files` counts as set, so it is written
+    manifest.files = sealer.files() if sealer is not None else file_hashes(root, sync=True)
     (Path(root) / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n")
     return manifest
 

@@ -58,10 +58,10 @@ def write_artifact(job: Job, the_plan, out: Path, model, stages: dict, force: bo
     export.check_finite(tensors, f"the checkpoint {run.src.path}")
     parts["state"] = time.perf_counter() - t1
 
-    def fill(tmp: Path) -> Manifest:
+    def fill(tmp: Path, sealer) -> Manifest:
         t2 = time.perf_counter()
         copied = export.write_model_dir(tmp, model, tensors, qcfg, run.dtype, run.src.path,
-                                        source.TOKENIZER_FILES, recipe.to_dict(), recipe.max_shard_size)
+                                        source.TOKENIZER_FILES, recipe.to_dict(), recipe.max_shard_size, sealer)
         t3 = time.perf_counter()
         parts["files"] = t3 - t2
         (tmp / "preflight.json").write_text(the_plan.to_json() + "\n")
