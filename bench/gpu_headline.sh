@@ -12,6 +12,7 @@
 #   reg     `python -m pipeline register` on it: refused while vLLM never loaded it
 #   gptq    the GPTQ g128 run, reference cached by the AWQ run (same model, protocol, dtype, GPU)
 #   gptq0   the GPTQ g128 run again with the cache emptied (--force)
+# STEPS="awq gptq0" runs only those (default: all; the checkpoint is built, or reused, in any case).
 # $OUT gets log.txt, summary.json (per step: seconds, exit code, the report's key figures) and each 7B
 # run's report.json and model card.
 set -uo pipefail
@@ -31,8 +32,10 @@ recipe() {  # recipe NAME BASE MODEL [extra yaml] -> $WORK/r/NAME.yaml
     printf 'name: %s\nbase: %s\nmodel: %s\n%s\n' "$1" "$ROOT/recipes/$2.yaml" "$3" "${4:-}" > "$WORK/r/$1.yaml"
 }
 ROOT=$(pwd)
-step() {  # step LABEL command... : wall seconds and exit code into $WORK/steps.tsv
+STEPS=" ${STEPS:-tiny awq eval reg gptq gptq0} "
+step() {  # step LABEL command... : wall seconds and exit code into $WORK/steps.tsv (only the steps in $STEPS)
     local label=$1; shift
+    if [ "$label" != build ] && [[ "$STEPS" != *" $label "* ]]; then echo "=== step $label: not in STEPS"; return; fi
     echo "=== step $label: $*"
     local t0 t1 rc
     t0=$(date +%s.%N); "$@"; rc=$?; t1=$(date +%s.%N)
@@ -56,14 +59,14 @@ recipe h200-qwen7b-gptq-g128 qwen7b-gptq-g128 "$WORK/ckpt-7b" "eval: {$NOGATE}"
 A="$WORK/art/h200-qwen7b-awq-g128" G="$WORK/art/h200-qwen7b-gptq-g128"
 
 step awq $PY -m pipeline run "$WORK/r/h200-qwen7b-awq-g128.yaml" --out "$WORK/art" --force
-cp "$A/report.json" "$OUT/awq-report.json"; cp "$A/README.md" "$OUT/awq-model-card.md"
+[ -f "$A/report.json" ] && cp "$A/report.json" "$OUT/awq-report.json" && cp "$A/README.md" "$OUT/awq-model-card.md"
 step eval $PY -m pipeline eval "$WORK/r/h200-qwen7b-awq-g128.yaml" --artifact "$A"
 step reg $PY -m pipeline register --artifact "$A"
 step gptq $PY -m pipeline run "$WORK/r/h200-qwen7b-gptq-g128.yaml" --out "$WORK/art" --force
-cp "$G/report.json" "$OUT/gptq-report.json"; cp "$G/README.md" "$OUT/gptq-model-card.md"
+[ -f "$G/report.json" ] && cp "$G/report.json" "$OUT/gptq-report.json" && cp "$G/README.md" "$OUT/gptq-model-card.md"
 rm -rf "$WORK/cache/reference-ppl"
 step gptq0 $PY -m pipeline run "$WORK/r/h200-qwen7b-gptq-g128.yaml" --out "$WORK/art" --force
-cp "$G/report.json" "$OUT/gptq-cold-report.json"
+[ -f "$G/report.json" ] && cp "$G/report.json" "$OUT/gptq-cold-report.json"
 
 $PY - "$WORK/steps.tsv" "$OUT" "$CKPT_BYTES" <<'EOF'
 import json, sys
