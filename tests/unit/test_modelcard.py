@@ -185,3 +185,16 @@ def test_the_machine_names_the_processor_once_and_timings_read_as_seconds():
     assert m.startswith(f"{platform.machine()}, ") and f"{platform.machine()} {platform.machine()}" not in m
     assert "cores" in m and "{" not in m
     assert seconds_text({"load": 12.345, "hash": 0.032, "eval": 0}) == "load 12.3 s, hash 0.032 s, eval 0 s"
+
+
+def test_a_bfloat16_card_says_how_to_serve_it_on_an_amx_cpu():
+    """vLLM 0.32's CPU build dies (SIGILL) on a bfloat16 4-bit linear on an AMX processor unless the tile state was
+    asked for: a bfloat16 artifact's card gives the command that asks; a float16 one has no such paragraph."""
+    serve = {"served-model-name": "smollm2-awq-g64", "quantization": "compressed-tensors", "max-model-len": 2048}
+    fp16 = modelcard.render({**MANIFEST, "serve": serve})
+    bf16 = modelcard.render({**MANIFEST, "serve": serve, "recipe": {**MANIFEST["recipe"], "dtype": "bfloat16"}})
+    assert "eval.vllm_server" not in fp16 and "SIGILL" not in fp16
+    line = next(l for l in bf16.splitlines() if "python -m eval.vllm_server" in l)
+    assert "--config vllm-serve.yaml" in line and "--gpu-memory-utilization 0.3" in line
+    assert "amx_bf16" in bf16
+
