@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,13 +50,24 @@ def write_artifact(job: Job, the_plan, out: Path, model, stages: dict, force: bo
     recipe = job.recipe
     t0 = time.perf_counter()
     parts: dict[str, float] = {}
-    packed, qcfg = pack_all(job.results, recipe, list(the_plan.skipped), run.dtype, run.device)
-    t1 = time.perf_counter()
-    parts["pack"] = t1 - t0
     drop = {"lm_head.weight"} if run.tied else set()
-    tensors = export.build_state_dict(model, packed, run.dtype, drop, job.overrides)
-    tensors = {checkpoint_name(job.arch, k): t for k, t in tensors.items()}  # the names vLLM reads
-    export.check_finite(tensors, f"the checkpoint {run.src.path}")
+
+    def names(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {checkpoint_name(job.arch, k): t for k, t in d.items()}  # the names vLLM reads
+
+    # The unconverted tensors (embeddings, lm_head, norms: GBs read back from the checkpoint's pages) are gathered
+    # and checked for NaN/inf in a thread while the packed ones are made and brought to the host.
+    with ThreadPoolExecutor(1, thread_name_prefix="unconverted") as pool:
+        unconverted = pool.submit(lambda: names(export.build_state_dict(
+            model, dict.fromkeys(job.results, {}), run.dtype, drop, job.overrides)))
+        found = pool.submit(lambda: export.nonfinite(unconverted.result()))
+        packed, qcfg = pack_all(job.results, recipe, list(the_plan.skipped), run.dtype, run.device)
+        t1 = time.perf_counter()
+        parts["pack"] = t1 - t0
+        converted = names({f"{m}.{k}": t.to(run.dtype) if t.is_floating_point() else t
+                           for m, d in packed.items() for k, t in d.items()})
+        tensors = {**unconverted.result(), **converted}
+        export.check_finite(converted, f"the checkpoint {run.src.path}", found.result())
     parts["state"] = time.perf_counter() - t1
 
     def fill(tmp: Path, sealer) -> Manifest:

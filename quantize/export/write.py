@@ -69,15 +69,22 @@ class NonFiniteTensorError(UserError, FloatingPointError):
     """A tensor bound for an artifact holds NaN or inf; nothing was written."""
 
 
-def check_finite(tensors: dict[str, torch.Tensor], origin: str) -> None:
-    """Refuse NaN/inf in any floating tensor bound for an artifact (unquantized norms, embeddings, lm_head,
-    scales): a NaN there is silent garbage that vLLM would serve. Raises NonFiniteTensorError naming them."""
-    bad = []
+def nonfinite(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """name -> "(n of N values NaN or inf)" for each floating tensor holding NaN or inf."""
+    bad = {}
     for name in sorted(tensors):
         t = tensors[name]
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            n = int((~torch.isfinite(t)).sum())
-            bad.append(f"{name} ({n} of {t.numel()} values NaN or inf)")
+            bad[name] = f"({int((~torch.isfinite(t)).sum())} of {t.numel()} values NaN or inf)"
+    return bad
+
+
+def check_finite(tensors: dict[str, torch.Tensor], origin: str, found: dict[str, str] | None = None) -> None:
+    """Refuse NaN/inf in any floating tensor bound for an artifact (unquantized norms, embeddings, lm_head,
+    scales): a NaN there is silent garbage that vLLM would serve. Raises NonFiniteTensorError naming them.
+    found: `nonfinite` of further tensors of the same artifact, checked elsewhere (named with these)."""
+    bad = {**nonfinite(tensors), **(found or {})}
+    bad = [f"{name} {bad[name]}" for name in sorted(bad)]
     if bad:
         raise NonFiniteTensorError(
             f"{len(bad)} tensor(s) to be written hold NaN or inf: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"

@@ -113,3 +113,21 @@ def test_the_layout_does_not_depend_on_the_input_order(tmp_path, max_bytes):
     a.mkdir(), b.mkdir()
     assert write_sharded(dict(sd), a, max_bytes) == write_sharded(dict(reversed(list(sd.items()))), b, max_bytes)
     assert (a / INDEX).read_bytes() == (b / INDEX).read_bytes()
+
+
+def test_non_finite_tensors_bound_for_an_artifact_are_named_together():
+    """Export checks the unconverted tensors in a thread (`nonfinite`) and the packed ones itself; one error names
+    every bad tensor of both, in name order, and a finite artifact passes."""
+    from quantize.export.write import NonFiniteTensorError, check_finite, nonfinite
+
+    good = {"a.scales": torch.ones(4, dtype=torch.float16), "a.qweight": torch.zeros(4, dtype=torch.int32)}
+    embed = torch.ones(8, 2)
+    embed[3, 1] = float("nan")
+    found = nonfinite({"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(2)})
+    assert list(found) == ["model.embed_tokens.weight"]
+    check_finite(good, "the checkpoint", {})
+    bad_scales = {**good, "b.scales": torch.tensor([1.0, float("inf")], dtype=torch.float16)}
+    with pytest.raises(NonFiniteTensorError) as e:
+        check_finite(bad_scales, "the checkpoint", found)
+    msg = str(e.value)
+    assert msg.startswith("2 tensor(s)") and msg.index("b.scales (1 of 2") < msg.index("model.embed_tokens.weight (1 of 16")
