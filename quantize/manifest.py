@@ -72,23 +72,6 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def file_hashes(root: Path, sync: bool = False) -> dict[str, FileRecord]:
-    """Every file under root except the manifest -> its sha256 and bytes, shards hashed in parallel threads (hashlib
-    releases the GIL, and a 7B artifact is several GB). sync: also fsync each file once hashed, in the same
-    thread, so one shard's write-back overlaps another's hashing."""
-    files = [p for p in sorted(Path(root).rglob("*")) if p.is_file() and p.name != MANIFEST]
-
-    def one(p: Path) -> str:
-        digest = sha256_file(p)
-        if sync:
-            fsync_path(p)
-        return digest
-
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        digests = list(pool.map(one, files))
-    return {str(p.relative_to(root)): FileRecord(sha256=h, bytes=p.stat().st_size) for p, h in zip(files, digests)}
-
-
 class Sealer:
     """Hash and fsync a directory's files in background threads, each one as soon as the writer says it is
     final, so that a shard's hashing and write-back run while the rest is written; `files()` seals the rest and
@@ -128,10 +111,16 @@ class Sealer:
 
 def write(root: Path, extras: Manifest, sealer: Sealer | None = None) -> Manifest:
     """Hash (and fsync) every file under root and write the manifest: extras + `files` -> the manifest. sealer:
-    the one the files were written under (those it was given are sealed already or under way)."""
+    the one the files were written under (those it was given are sealed already or under way); without one, all
+    are sealed here, in parallel threads."""
     manifest = extras.written().model_copy()
-    # an assignment: `files` counts as set, so it is written
-    manifest.files = sealer.files() if sealer is not None else file_hashes(root, sync=True)
+    own = sealer is None
+    sealer = Sealer(root) if own else sealer
+    try:
+        manifest.files = sealer.files()  # an assignment: `files` counts as set, so it is written
+    finally:
+        if own:
+            sealer.close()
     (Path(root) / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n")
     return manifest
 
