@@ -58,14 +58,13 @@ def write_artifact(job: Job, the_plan, out: Path, model, stages: dict, force: bo
     # The unconverted tensors (embeddings, lm_head, norms: GBs read back from the checkpoint's pages) are gathered
     # and checked for NaN/inf in a thread while the packed ones are made and brought to the host.
     with ThreadPoolExecutor(1, thread_name_prefix="unconverted") as pool:
-        unconverted = pool.submit(lambda: names(export.build_state_dict(
-            model, dict.fromkeys(job.results, {}), run.dtype, drop, job.overrides)))
+        unconverted = pool.submit(lambda: names(export.unconverted_tensors(
+            model, set(job.results), run.dtype, drop, job.overrides)))
         found = pool.submit(lambda: export.nonfinite(unconverted.result()))
         packed, qcfg = pack_all(job.results, recipe, list(the_plan.skipped), run.dtype, run.device)
         t1 = time.perf_counter()
         parts["pack"] = t1 - t0
-        converted = names({f"{m}.{k}": t.to(run.dtype) if t.is_floating_point() else t
-                           for m, d in packed.items() for k, t in d.items()})
+        converted = names(export.packed_tensors(packed, run.dtype))
         tensors = {**unconverted.result(), **converted}
         export.check_finite(converted, f"the checkpoint {run.src.path}", found.result())
     parts["state"] = time.perf_counter() - t1

@@ -14,7 +14,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -130,7 +130,6 @@ def write_sharded(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: 
     with ThreadPoolExecutor(max_workers=max(1, min(len(shards), 8, os.cpu_count() or 1)),
                             thread_name_prefix="shard") as pool:
         futures = [pool.submit(one, item) for item in shards]
-        wait(futures)
     for f in futures:
         f.result()  # the first shard's error, in shard order
     files = list(split.filename_to_tensors)
@@ -272,25 +271,26 @@ def _disk_full(out: Path, written: int, code: int) -> DiskFullError:
         f"free there now: free more space on that disk or write elsewhere with --out DIR, then rerun")
 
 
-def build_state_dict(model, quantized: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype,
-                     drop: set[str], overrides: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The model's tensors with each quantized linear's `.weight` replaced by its packed tensors.
-
-    quantized: module name -> {tensor suffix: packed tensor}; drop: names not written (tied lm_head);
-    overrides: tensor name -> value replacing the model's (what a method changed in a copy of a layer).
-    Floating tensors are cast to `dtype`; packed integer tensors keep theirs.
-    """
+def unconverted_tensors(model, converted: set[str], dtype: torch.dtype, drop: set[str],
+                        overrides: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The model's tensors an artifact writes as they are: all but the `.weight` of each converted module and
+    the names in `drop` (tied lm_head), floating ones cast to `dtype`, on the CPU. overrides: tensor name ->
+    value replacing the model's (what a method changed in a copy of a layer)."""
     overrides = overrides or {}
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
-        if name in drop or (name.endswith(".weight") and name.removesuffix(".weight") in quantized):
+        if name in drop or (name.endswith(".weight") and name.removesuffix(".weight") in converted):
             continue
         t = overrides.get(name, t)
         out[name] = t.detach().to("cpu", dtype) if t.is_floating_point() else t.detach().cpu()
-    for module, packed in quantized.items():
-        for suffix, t in packed.items():
-            out[f"{module}.{suffix}"] = t.to(dtype) if t.is_floating_point() else t
     return out
+
+
+def packed_tensors(packed: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """module name -> {tensor suffix: packed tensor} -> "module.suffix" -> tensor, floating ones (scales) cast to
+    `dtype`, integer ones as they are. With `unconverted_tensors`, every tensor of an artifact."""
+    return {f"{module}.{suffix}": t.to(dtype) if t.is_floating_point() else t
+            for module, d in packed.items() for suffix, t in d.items()}
 
 
 def write_model_dir(tmp: Path, model, tensors: dict[str, torch.Tensor], quantization_config: dict,
