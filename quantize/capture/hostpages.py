@@ -19,7 +19,6 @@ import ctypes
 import logging
 import mmap
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,15 +30,8 @@ MADV_DONTNEED = 4
 _PRESENT, _SWAPPED, _FILE = 1 << 63, 1 << 62, 1 << 61  # /proc/<pid>/pagemap entry bits (Linux >= 3.5)
 
 
-@dataclass(frozen=True)
-class _Mapping:
-    start: int
-    end: int
-    path: str
-
-
-def _file_mappings() -> list[_Mapping]:
-    """This process's private mappings of regular files (from /proc/self/maps)."""
+def _file_mappings() -> list[tuple[int, int]]:
+    """This process's private mappings of regular files (from /proc/self/maps) -> [(start, end)]."""
     out = []
     with open("/proc/self/maps") as f:
         for line in f:
@@ -47,8 +39,12 @@ def _file_mappings() -> list[_Mapping]:
             if len(parts) < 6 or not parts[5].startswith("/") or parts[1][3] != "p":
                 continue
             start, end = (int(x, 16) for x in parts[0].split("-"))
-            out.append(_Mapping(start, end, parts[5].rstrip("\n")))
+            out.append((start, end))
     return out
+
+
+def _inside(maps: list[tuple[int, int]], lo: int, hi: int) -> bool:
+    return any(start <= lo and hi <= end for start, end in maps)
 
 
 def _libc_madvise():
@@ -67,7 +63,7 @@ def supported() -> bool:
 def in_file_mapping(t: torch.Tensor) -> bool:
     """Whether CPU tensor `t` lies wholly in a private mapping of a file."""
     ptr, n = t.data_ptr(), t.numel() * t.element_size()
-    return t.device.type == "cpu" and any(m.start <= ptr and ptr + n <= m.end for m in _file_mappings())
+    return t.device.type == "cpu" and _inside(_file_mappings(), ptr, ptr + n)
 
 
 def release(tensors: list[torch.Tensor], keep: list[torch.Tensor] = ()) -> int:
@@ -96,7 +92,7 @@ def release(tensors: list[torch.Tensor], keep: list[torch.Tensor] = ()) -> int:
     madvise, freed = _libc_madvise(), 0
     try:
         for lo, hi in spans:
-            if not any(m.start <= lo and hi <= m.end for m in maps):
+            if not _inside(maps, lo, hi):
                 continue  # anonymous memory (a converted copy): MADV_DONTNEED would zero it
             count = (hi - lo) // PAGE
             raw = os.pread(fd, 8 * count, lo // PAGE * 8)
