@@ -17,6 +17,10 @@
 # run's report.json and model card.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+STEPS=" ${STEPS:-tiny awq eval reg gptq gptq0} "
+for s in $STEPS; do
+    case " tiny awq eval reg gptq gptq0 " in *" $s "*) ;; *) echo "error: STEPS names '$s'; use tiny, awq, eval, reg, gptq or gptq0" >&2; exit 2;; esac
+done
 OUT=${OUT:-/tmp/gpu-headline}
 WORK=${WORK:-/tmp/gpu-headline-work}
 PY=${PY:-python3}
@@ -32,7 +36,6 @@ recipe() {  # recipe NAME BASE MODEL [extra yaml] -> $WORK/r/NAME.yaml
     printf 'name: %s\nbase: %s\nmodel: %s\n%s\n' "$1" "$ROOT/recipes/$2.yaml" "$3" "${4:-}" > "$WORK/r/$1.yaml"
 }
 ROOT=$(pwd)
-STEPS=" ${STEPS:-tiny awq eval reg gptq gptq0} "
 step() {  # step LABEL command... : wall seconds and exit code into $WORK/steps.tsv (only the steps in $STEPS)
     local label=$1; shift
     if [ "$label" != build ] && [[ "$STEPS" != *" $label "* ]]; then echo "=== step $label: not in STEPS"; return; fi
