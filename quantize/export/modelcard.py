@@ -7,6 +7,7 @@ how to serve the directory and how it was made. Everything comes from the manife
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import re
@@ -15,6 +16,7 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .. import formats
+from ..source import load as source
 from . import capacity, serve_config
 from ..methods import output_error
 from ..records import Calibration, Distribution, LmEval, Manifest, Protocol, Report
@@ -37,7 +39,8 @@ def _kept_16bit(m: Manifest) -> list[str]:
 
 def source_license(model_dir: Path) -> str | None:
     """The base model's license: its README.md front matter (a Hub snapshot), else `general.license` of the
-    GGUF file a conversion cache was made from (its source.json names it); None when neither says."""
+    GGUF file a conversion cache was made from (recorded in its source.json at conversion, or read from the file
+    that source.json names); None when neither says."""
     model_dir = Path(model_dir)
     card, converted = model_dir / "README.md", model_dir / "source.json"
     try:
@@ -46,20 +49,11 @@ def source_license(model_dir: Path) -> str | None:
             if found:
                 return str(found)
         if converted.is_file():
-            return _gguf_license(Path(json.loads(converted.read_text())["gguf"]))
+            record = json.loads(converted.read_text())
+            return record["license"] if "license" in record else source.gguf_license(Path(record["gguf"]))
     except (OSError, ValueError, KeyError) as e:  # the card only goes without its license line
         log.warning("could not read the base model's license from %s: %s", model_dir, e)
     return None
-
-
-def _gguf_license(gguf: Path) -> str | None:
-    from gguf import GGUFReader
-
-    try:
-        field = GGUFReader(str(gguf)).fields.get("general.license")
-        return bytes(field.parts[field.data[0]]).decode("utf-8") if field is not None else None
-    except Exception as e:  # noqa: BLE001 - the parser's errors on arbitrary bytes are not one type
-        raise ValueError(f"{gguf} is not a readable GGUF file ({e})") from None
 
 
 def _quantization(m: Manifest) -> dict:
@@ -206,26 +200,36 @@ def plot_errors(manifest: Manifest | dict, path: Path) -> bool:
     """The manifest's per-linear output errors (`quantize.methods.output_error`) over depth, a line per linear name,
     written to `path` -> whether it was drawn (not for a manifest without them, or without matplotlib)."""
     m = Manifest.of(manifest)
-    curves = output_error.by_depth(m.output_error or {})
-    if not curves:
-        return False
-    plt = _pyplot(path, "errors")
-    if plt is None:
-        return False
+    png = error_plot(m.artifact, m.output_error or {}, path.name)
+    if png is not None:
+        path.write_bytes(png)
+    return png is not None
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for name, pts in curves.items():
-        ax.plot([i for i, _ in pts], [e for _, e in pts], marker=".", label=name)
+
+def error_plot(artifact: str, errors: dict, name: str = ERROR_PLOT) -> bytes | None:
+    """`plot_errors`' PNG as bytes, from an artifact's name and its `output_error` record -> None without errors or
+    without matplotlib. Needs no artifact directory and no pyplot state: export draws it in a thread while the
+    weights are packed and written (`export.artifact`)."""
+    curves = output_error.by_depth(errors)
+    if not curves:
+        return None
+    Figure = _figure(name, "errors")
+    if Figure is None:
+        return None
+    fig = Figure(figsize=(8, 4))
+    ax = fig.subplots()
+    for linear, pts in curves.items():
+        ax.plot([i for i, _ in pts], [e for _, e in pts], marker=".", label=linear)
     ax.set_xlabel("decoder layer")
     ax.set_ylabel("relative output error ||X(W-Q)ᵀ|| / ||XWᵀ||")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    ax.set_title(f"{m.artifact}: quantization error of each linear on its calibration inputs", fontsize=9)
+    ax.set_title(f"{artifact}: quantization error of each linear on its calibration inputs", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100, metadata={"Software": None})  # no version stamp: the same errors, the same bytes
-    plt.close(fig)
-    return True
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})  # no version stamp: same errors, same bytes
+    return buf.getvalue()
 
 
 def _errors(m: Manifest) -> list[str]:
@@ -252,15 +256,17 @@ def plot_experts(manifest: Manifest | dict, path: Path) -> list[list[int]] | Non
     layers = m.expert_layers()
     if not layers:
         return None
-    plt = _pyplot(path, "counts")
-    if plt is None:
+    Figure = _figure(path.name, "counts")
+    if Figure is None:
         return None
+    from matplotlib import colormaps
     from matplotlib.colors import LogNorm
 
     matrix = [list(e.routed_tokens) for _, e in layers]
     n_layers, n_exp = len(matrix), max(len(r) for r in matrix)
-    fig, ax = plt.subplots(figsize=(min(16.0, max(6.0, 3.0 + 0.1 * n_exp)), min(12.0, max(3.5, 2.0 + 0.22 * n_layers))))
-    cmap = plt.get_cmap("viridis").with_extremes(bad="white")  # no token: a log scale has no place for 0
+    fig = Figure(figsize=(min(16.0, max(6.0, 3.0 + 0.1 * n_exp)), min(12.0, max(3.5, 2.0 + 0.22 * n_layers))))
+    ax = fig.subplots()
+    cmap = colormaps["viridis"].with_extremes(bad="white")  # no token: a log scale has no place for 0
     # a log scale: a router's favourites take many times the median, which a linear scale would flatten
     im = ax.imshow(matrix, aspect="auto", cmap=cmap, interpolation="nearest",
                    norm=LogNorm(vmin=min((x for r in matrix for x in r if x > 0), default=1),
@@ -280,7 +286,6 @@ def plot_experts(manifest: Manifest | dict, path: Path) -> list[list[int]] | Non
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100, metadata={"Software": None})  # no version stamp: the same counts, the same bytes
-    plt.close(fig)
     return matrix
 
 
@@ -380,14 +385,12 @@ def _calibration_text(c: Calibration | None) -> str:
     return f"{c.n_samples} x {c.seq_len} tokens of {c.dataset} (seed {c.seed})"
 
 
-def _pyplot(path: Path, what: str):
-    """matplotlib's pyplot on the Agg backend, or None (with a warning naming the plot) without the `plots` extra."""
+def _figure(name: str, what: str):
+    """matplotlib's Figure class (drawn by Agg when saved; no pyplot, whose figure registry is shared by threads), or
+    None (with a warning naming the plot) without the `plots` extra."""
     try:
-        import matplotlib
+        from matplotlib.figure import Figure
     except ImportError:
-        log.warning("matplotlib is not installed: no %s (the %s are in manifest.json)", path.name, what)
+        log.warning("matplotlib is not installed: no %s (the %s are in manifest.json)", name, what)
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure

@@ -224,7 +224,7 @@ def _convert_once(gguf: Path, sha: str, target: Path) -> Path:
         raise _cache_unwritable(target, e) from None
     try:
         _convert_gguf(gguf, tmp)
-        (tmp / "source.json").write_text(json.dumps({**_stamp(gguf), "sha256": sha}, indent=2))
+        (tmp / "source.json").write_text(json.dumps({**_stamp(gguf), "sha256": sha, **_license(gguf)}, indent=2))
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -235,12 +235,34 @@ def _restamp(target: Path, gguf: Path, sha: str) -> None:
     """Record the file as it is now in a finished conversion of the same bytes (a cache made before source.json
     held the stamp, or a file touched since), so the next run recognises it without reading its metadata."""
     src = target / "source.json"
-    stamp = {**_stamp(gguf), "sha256": sha}
     with contextlib.suppress(OSError, ValueError):
-        if json.loads(src.read_text()) != stamp:
+        old = json.loads(src.read_text())
+        stamp = {**_stamp(gguf), "sha256": sha, **({"license": old["license"]} if "license" in old else _license(gguf))}
+        if old != stamp:
             tmp = target / ".source.json.tmp"
             tmp.write_text(json.dumps(stamp, indent=2))
             os.replace(tmp, src)
+
+
+def gguf_license(gguf: Path) -> str | None:
+    """`general.license` from a GGUF file's metadata (None when it has none); ValueError for an unreadable file.
+    The reader indexes every tensor too (about 2 s for SmolLM2's 272 on a 2-core host), so a conversion records
+    the answer in its source.json once."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(gguf)).fields.get("general.license")
+        return bytes(field.parts[field.data[0]]).decode("utf-8") if field is not None else None
+    except Exception as e:  # noqa: BLE001 - the parser's errors on arbitrary bytes are not one type
+        raise ValueError(f"{gguf} is not a readable GGUF file ({e})") from None
+
+
+def _license(gguf: Path) -> dict:
+    """{"license": ...} for source.json, or {} when the file cannot be read (the model card then reads it)."""
+    try:
+        return {"license": gguf_license(gguf)}
+    except (OSError, ValueError):
+        return {}
 
 
 def _cache_damage(target: Path, sha: str) -> str | None:

@@ -384,11 +384,13 @@ def test_tied_checkpoint_without_lm_head_and_sharded_checkpoint_pass(tmp_path, t
 
 # --- GGUF --------------------------------------------------------------------------------------------------
 
-def _gguf(path: Path, arch: str) -> Path:
+def _gguf(path: Path, arch: str, strings: dict[str, str] | None = None) -> Path:
     import gguf
     import numpy as np
 
     w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (strings or {}).items():
+        w.add_string(key, value)
     w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -645,3 +647,29 @@ def test_converted_gguf_skips_its_header(tiny_llama, tmp_path, monkeypatch):
     os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))  # touched: maybe another file now
     assert source.resolve(str(f)).path == first and len(reads) == 2
     assert source.resolve(str(f)).path == first and len(reads) == 2  # same bytes: the cache took the new stamp
+
+
+def test_converted_gguf_records_its_license(tiny_llama, tmp_path, monkeypatch):
+    """The model card's license line comes from the conversion's source.json, not from parsing the GGUF file again
+    at every export (seconds for SmolLM2); a cache made before the record holds it gets it once."""
+    import shutil
+
+    from quantize.export import modelcard
+    from quantize.source import load as source
+
+    monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(source, "_convert_gguf",
+                        lambda gguf, into: [shutil.copy(p, into / p.name) for p in tiny_llama.iterdir()])
+    f = _gguf(tmp_path / "m.gguf", "llama", {"general.license": "apache-2.0"})
+    cached = source.resolve(str(f)).path
+    assert json.loads((cached / "source.json").read_text())["license"] == "apache-2.0"
+    monkeypatch.setattr(source, "gguf_license", lambda g: pytest.fail("the GGUF was parsed again"))
+    assert modelcard.source_license(cached) == "apache-2.0"
+
+    record = json.loads((cached / "source.json").read_text())
+    del record["license"]
+    (cached / "source.json").write_text(json.dumps(record))  # a cache from before the record
+    monkeypatch.undo()
+    monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(tmp_path / "cache"))
+    assert source.resolve(str(f)).path == cached
+    assert json.loads((cached / "source.json").read_text())["license"] == "apache-2.0"
