@@ -124,3 +124,21 @@ def test_fp_target_reads_the_fp_inputs_row_for_row(gptq_artifacts, tiny_llama, t
         same = {k for k in a.keys() if k.endswith(".qweight") and torch.equal(a.get_tensor(k), b.get_tensor(k))}
     first = {f"model.layers.0.self_attn.{p}_proj.qweight" for p in "qkv"}
     assert same == first, sorted(same)
+
+
+def test_error_plot_drawn_beside_the_weights_is_the_same_file(gptq_artifacts, tiny_llama, tmp_path, monkeypatch):
+    """Where the host has the cores, export draws the error plot in a thread while the weights are written: the
+    artifact is the one the drawing after the weights gives (same plot bytes, same weights)."""
+    from quantize.export import artifact
+
+    threads = []
+    draw = artifact.modelcard.error_plot
+    monkeypatch.setattr(artifact, "PLOT_THREAD_CORES", 1)
+    monkeypatch.setattr(artifact.modelcard, "error_plot",
+                        lambda *a: threads.append(__import__("threading").current_thread().name) or draw(*a))
+    again = runner.run(tiny_recipe(tmp_path, tiny_llama, name="gptq-w4", **CASES["gptq-w4"]), out_root=tmp_path / "a")
+    assert threads and all(t.startswith("plot") for t in threads)
+    before = gptq_artifacts["gptq-w4"]
+    for f in ("output-error.png", "model.safetensors"):
+        assert (again / f).read_bytes() == (before / f).read_bytes(), f
+    assert json.loads((again / "manifest.json").read_text())["error_plot"] == "output-error.png"
