@@ -8,15 +8,17 @@ gptq.py) take what they need from it as arguments.
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.nn as nn
 
-from ..methods import gptq_sweep as gptq
+from ..methods import awq_search as awq, gptq_sweep as gptq
 from . import hostpages
 from ..errors import UserError
 
@@ -166,21 +168,40 @@ class KernelUnavailable(UserError, RuntimeError):
 def gptq_sweep(kernel: str, device: torch.device) -> gptq.Sweep:
     """The GPTQ column sweep for `kernel` (auto | torch | triton) on `device`: auto = the Triton kernel on CUDA
     when triton imports, else torch's. Both give the same codes; Triton's is the fast one on a GPU."""
+    module = _triton_module("gptq_triton", kernel, device, "advanced.gptq.kernel")
+    return gptq.TORCH_SWEEP if module is None else gptq.Sweep("triton", module.sweep_triton)
+
+
+def awq_clip(kernel: str, device: torch.device) -> Callable:
+    """AWQ's clip search for `kernel` (auto | torch | triton) on `device`, with `awq_search.search_clip`'s
+    signature: auto = the Triton kernel (`methods.awq_clip_triton`) on CUDA when triton imports, else torch's.
+    The kernel takes power-of-two groups of 16 to 128 columns; other weights go to torch's search."""
+    module = _triton_module("awq_clip_triton", kernel, device, "advanced.awq.clip_kernel")
+    if module is None:
+        return awq.search_clip
+
+    def search(w, gram, spec, n_grid=20, max_shrink=0.5, per_side=False):
+        if module.supports(w, spec.group):
+            return module.search_clip_triton(w, gram, spec, n_grid, max_shrink, per_side)
+        return awq.search_clip(w, gram, spec, n_grid, max_shrink, per_side)
+    return search
+
+
+def _triton_module(name: str, kernel: str, device: torch.device, setting: str):
+    """methods.<name> (a Triton kernel's module) when `kernel` (auto | torch | triton) asks for it and it can run
+    on `device`; None for torch's. triton asked for and unable to run: KernelUnavailable naming `setting`."""
     if kernel == "torch":
-        return gptq.TORCH_SWEEP
+        return None
     if kernel not in ("auto", "triton"):
-        raise ValueError(f"gptq kernel {kernel!r} is unknown; use auto, torch or triton")
+        raise ValueError(f"{setting} {kernel!r} is unknown; use auto, torch or triton")
     interpret = kernel == "triton" and os.environ.get("TRITON_INTERPRET") == "1"  # CPU emulation, for tests
     if device.type != "cuda" and not interpret:
         why = f"the tensors are on {device.type}; the Triton kernel needs CUDA (or TRITON_INTERPRET=1)"
     else:
         try:
-            from ..methods import gptq_triton  # imports triton, which is optional
+            return importlib.import_module(f"..methods.{name}", __package__)  # imports triton, which is optional
         except ImportError as e:
             why = f"triton does not import ({e})"
-        else:
-            return gptq.Sweep("triton", gptq_triton.sweep_triton)
     if kernel == "triton":
-        raise KernelUnavailable(f"advanced.gptq.kernel triton was asked for but cannot run: {why}; "
-                           f"set advanced.gptq.kernel: torch or auto")
-    return gptq.TORCH_SWEEP
+        raise KernelUnavailable(f"{setting} triton was asked for but cannot run: {why}; set {setting}: torch or auto")
+    return None

@@ -16,7 +16,7 @@ from . import awq_search as awq, gptq_sweep as gptq, output_error
 from ..source.arch import Arch, ScaleGroup, active_scale_groups, layer_prefix
 from ..capture.loop import LayerData
 from ..capture.device import clock as _clock
-from ..capture.device import gptq_sweep, side_stream
+from ..capture.device import awq_clip, gptq_sweep, side_stream
 from ..capture.distributed import Dist
 from .primitives import quantize
 from ..runlog import RunLog
@@ -69,15 +69,17 @@ def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], 
 
 
 def _clip_layer(data: LayerData, arch: Arch, local: set[str], opts, spec: awq.QSpec,
-                grams: dict[str, torch.Tensor], dist: Dist | None = None
+                grams: dict[str, torch.Tensor], kernel: str, dist: Dist | None = None
                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Clip search for every converted, clippable linear of data.layer (exact, all tokens) -> name -> (lo, hi)
     per group. grams: feature name -> its group Gram matrices, filled in as needed. dist: one owner per linear."""
     names = [n for n in arch.linears if n in local and n not in arch.no_clip]
 
+    search = awq_clip(kernel, data.inputs[0].device)
+
     def clip(n: str) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
-            return awq.search_clip(data.layer.get_submodule(n).weight.data, _group_gram(data, arch, n, spec, grams),
+            return search(data.layer.get_submodule(n).weight.data, _group_gram(data, arch, n, spec, grams),
                                    spec, opts.clip_grid, opts.max_shrink, per_side=opts.clip_search == "per_side")
     if dist is None:
         return {n: clip(n) for n in names}
@@ -191,7 +193,8 @@ def awq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtyp
     fold_scales(data, arch, chosen)
     t1 = _clock(device)
     grams: dict[str, torch.Tensor] = {}
-    ranges = _clip_layer(data, arch, local, opts, spec, grams, dist) if opts.apply_clip else {}
+    ranges = _clip_layer(data, arch, local, opts, spec, grams, recipe.advanced.awq.clip_kernel, dist) \
+        if opts.apply_clip else {}
     t2 = _clock(device)
     names = [n for n in arch.linears if n in local]
     scaled = {n: data.layer.get_submodule(n).weight.data for n in names}  # W·s: rounding replaces, never edits
@@ -319,6 +322,7 @@ def _awq_unit(data: LayerData, arch: Arch, path: str, x: torch.Tensor, local: se
                                sequential=((gate, up), (down,)), row_parallel=(down,), experts=None)
     ud = LayerData(data.index, layer, data.inputs, data.kwargs, {gate: x, down: z})
     grams: dict[str, torch.Tensor] = {}
-    ranges = _clip_layer(ud, unit, set(names), opts, spec, grams) if opts.apply_clip else {}
+    ranges = _clip_layer(ud, unit, set(names), opts, spec, grams, recipe.advanced.awq.clip_kernel) \
+        if opts.apply_clip else {}
     with torch.no_grad():
         _awq_round(ud, unit, names, ranges, grams, recipe, spec, scale_dtype, results)

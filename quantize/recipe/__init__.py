@@ -12,6 +12,7 @@ algorithm, and changing one trades quality for time or changes only time and mem
 measured for each:
   advanced.awq.coarse_step   coarse-to-fine over the ratio grid (k = 4 missed the grid minimum: +0.07 ppl)
   advanced.awq.grid_batch    candidates per matmul in single-linear groups (memory; exact)
+  advanced.awq.clip_kernel   the clip search's implementation: auto (Triton on CUDA) | torch | triton
   advanced.gptq.kernel       the column sweep's implementation: auto (Triton on CUDA) | torch | triton (same codes)
   advanced.gptq.update       the sweep's cross-block update in float32 or in TF32 operands (an approximation)
 """

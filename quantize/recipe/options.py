@@ -55,6 +55,7 @@ class AdvancedAwq(_Strict):
     # attention groups, whose loss is not unimodal in α: +0.07 ppl on SmolLM2, see docs/BENCHMARKS.md)
     coarse_step: int = Field(1, gt=0)
     grid_batch: int = Field(4, gt=0)  # candidates per matmul in single-linear groups (memory knob, exact)
+    clip_kernel: Literal["auto", "torch", "triton"] = "auto"  # clip search; auto = triton on CUDA when it imports
 
 
 class AdvancedGptq(_Strict):
