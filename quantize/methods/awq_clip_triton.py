@@ -44,6 +44,12 @@ def _err(w, gram, lo, hi, inv_d, MAX_Q: tl.constexpr, SYMMETRIC: tl.constexpr, R
 
 
 @triton.jit
+def _keep(err, lo, hi, best, best_lo, best_hi):
+    better = err < best
+    return tl.where(better, err, best), tl.where(better, lo, best_lo), tl.where(better, hi, best_hi)
+
+
+@triton.jit
 def clip_kernel(W_ptr, stride_w, G_ptr, shrink_ptr, side_ptr, LO_ptr, HI_ptr, n_out, n_steps, inv_d,
                 MAX_Q: tl.constexpr, SYMMETRIC: tl.constexpr, PER_SIDE: tl.constexpr, RECIP: tl.constexpr,
                 GROUP: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -59,27 +65,23 @@ def clip_kernel(W_ptr, stride_w, G_ptr, shrink_ptr, side_ptr, LO_ptr, HI_ptr, n_
     best_lo, best_hi = w_min, w_max
     best = tl.zeros_like(w_max) + float("inf")
     abs_max = tl.maximum(w_max, -w_min)
-    half = (w_max - w_min) * 0.5  # torch: / 2, exact either way
-    fixed_lo, fixed_hi = w_min, w_max
-    # One loop over the stages' candidates (one inlined error computation: a third of the code to compile):
-    # stage 0, AutoAWQ's ±max|w|·(1 - i/n); with PER_SIDE, stage 1 the upper tail with the best lower bound of
-    # stage 0, then stage 2 the lower tail with the best upper bound of stage 1.
-    for k in range(n_steps * (3 if PER_SIDE else 1)):
-        stage = k // n_steps
-        i = k - stage * n_steps
-        if k == n_steps:
-            fixed_lo = best_lo
-        if k == 2 * n_steps:
-            fixed_hi = best_hi
+    for i in range(n_steps):  # AutoAWQ's: ±max|w|·(1 - i/n)
         m = abs_max * tl.load(shrink_ptr + i)
-        c = tl.load(side_ptr + i)
-        lo = tl.where(stage == 0, tl.maximum(w_min, -m), tl.where(stage == 1, fixed_lo, w_min + half * c))
-        hi = tl.where(stage == 0, tl.minimum(w_max, m), tl.where(stage == 1, w_max - half * c, fixed_hi))
-        err = _err(w, gram, lo, hi, inv_d, MAX_Q, SYMMETRIC, RECIP)
-        better = err < best
-        best = tl.where(better, err, best)
-        best_lo = tl.where(better, lo, best_lo)
-        best_hi = tl.where(better, hi, best_hi)
+        lo, hi = tl.maximum(w_min, -m), tl.minimum(w_max, m)
+        best, best_lo, best_hi = _keep(_err(w, gram, lo, hi, inv_d, MAX_Q, SYMMETRIC, RECIP), lo, hi,
+                                       best, best_lo, best_hi)
+    if PER_SIDE:  # each tail on its own: the upper with the best lower bound so far, then the lower
+        half = (w_max - w_min) * 0.5  # torch: / 2, exact either way
+        lo = best_lo
+        for i in range(n_steps):
+            hi = w_max - half * tl.load(side_ptr + i)
+            best, best_lo, best_hi = _keep(_err(w, gram, lo, hi, inv_d, MAX_Q, SYMMETRIC, RECIP), lo, hi,
+                                           best, best_lo, best_hi)
+        hi = best_hi
+        for i in range(n_steps):
+            lo = w_min + half * tl.load(side_ptr + i)
+            best, best_lo, best_hi = _keep(_err(w, gram, lo, hi, inv_d, MAX_Q, SYMMETRIC, RECIP), lo, hi,
+                                           best, best_lo, best_hi)
     tl.store(LO_ptr + n * n_out + rows, best_lo, mask=live)
     tl.store(HI_ptr + n * n_out + rows, best_hi, mask=live)
 
