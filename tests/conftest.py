@@ -160,6 +160,25 @@ def kl_divergence(ref, model, ids: torch.Tensor) -> float:
     return (a.exp() * (a - b)).sum(-1).mean().item()
 
 
+def triton_compare(module: str) -> list:
+    """`<module>.compare(device)` of a Triton kernel's test: compiled on CUDA where there is one, else under Triton's
+    CPU interpreter (TRITON_INTERPRET=1, in a subprocess: triton reads it when a kernel is defined) -> its results.
+    The interpreter checks the arithmetic, not what the compiler makes of it: a kernel must also pass on CUDA."""
+    import json
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        import importlib
+
+        return importlib.import_module(module).compare("cuda")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    code = f"import json; from {module} import compare; print(json.dumps(compare('cpu')))"
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests that load a 4-bit artifact in vLLM skip, saying why, where vLLM cannot serve 4-bit weights (an
     AVX2-only CPU); those marked vllm_no_4bit or vllm_load_only run no 4-bit linear in vLLM, and still run."""

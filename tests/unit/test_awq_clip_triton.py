@@ -6,18 +6,12 @@ subprocess because triton reads it when the kernel is defined). Both searches' p
 float32 rounding, i.e. the two sums of Δ G Δᵀ ordered two candidates of equal error differently.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tests.conftest import triton_compare
 
-ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("triton")
 
 # (w_bit, group, symmetric, per_side, out rows): rows not a multiple of the kernel's row tile on purpose
 CASES = [(4, 128, False, True, 70), (4, 64, False, False, 64), (4, 32, True, False, 40), (8, 128, False, True, 33),
@@ -63,15 +57,7 @@ def compare(device: str) -> list[dict]:
 
 
 def test_triton_clip_search_picks_the_torch_search():
-    if torch.cuda.is_available():
-        results = compare("cuda")
-    else:
-        env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        code = "import json; from tests.unit.test_awq_clip_triton import compare; print(json.dumps(compare('cpu')))"
-        p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        results = json.loads(p.stdout.strip().splitlines()[-1])
+    results = triton_compare("tests.unit.test_awq_clip_triton")
     for r in results:
         assert r["shape"], r
         assert r["differ"] <= 0.02 and r["gap"] < 1e-5, r  # ties in float32, nothing more

@@ -4,18 +4,12 @@ On a CUDA host the kernel runs compiled; elsewhere it runs under Triton's CPU in
 (TRITON_INTERPRET=1, set in a subprocess because triton reads it when the kernel is defined).
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tests.conftest import triton_compare
 
-ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("triton")
 
 
 def compare(device: str) -> list[dict]:
@@ -37,15 +31,7 @@ def compare(device: str) -> list[dict]:
 
 
 def test_triton_sweep_equals_torch_sweep():
-    if torch.cuda.is_available():
-        results = compare("cuda")
-    else:
-        env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        code = "import json; from tests.unit.test_gptq_triton import compare; print(json.dumps(compare('cpu')))"
-        p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        results = json.loads(p.stdout.strip().splitlines()[-1])
+    results = triton_compare("tests.unit.test_gptq_triton")
     for r in results:
         assert r["kernel"] == "triton" and r["codes"] and r["scales"] and r["zeros"], r
         assert r["loss_rel"] < 1e-4, r  # the loss is summed in another order
