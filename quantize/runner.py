@@ -23,7 +23,7 @@ from .source import integrity, load as source
 from .source.arch import Arch, UnsupportedArchitecture, arch_for
 from .source.experts import split_experts
 from .capture.loop import run_shared
-from .capture.device import configure_allocator
+from .capture.device import check_kernels, configure_allocator
 from .capture.distributed import Dist
 from .capture.checkpoint import Checkpointer, fingerprint
 from .capture.job import DTYPES, Job, feature_names
@@ -139,6 +139,8 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
         if before_weights is not None:
             before_weights(recipes, source.load_tokenizer(src, first.trust_remote_code))
         device = pick_device(first)
+        for r in recipes:
+            check_kernels(r, device)
         compute_dtype = pick_compute_dtype(first, device)
     samples = calib_record = None
     if any(methods.get(r.method).calibrates for r in recipes):

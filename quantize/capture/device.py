@@ -165,6 +165,15 @@ class KernelUnavailable(UserError, RuntimeError):
     """A kernel the recipe asks for cannot run here; the message names the setting to change."""
 
 
+def check_kernels(recipe, device: torch.device) -> None:
+    """Pre-flight: a kernel the recipe asks for by name (`triton`) runs on `device`, else KernelUnavailable naming
+    the setting, before any weight is loaded (the layer loop would find out only at its first layer)."""
+    if recipe.advanced.gptq.kernel == "triton":
+        gptq_sweep("triton", device)
+    if recipe.advanced.awq.clip_kernel == "triton":
+        awq_clip("triton", device)
+
+
 def gptq_sweep(kernel: str, device: torch.device) -> gptq.Sweep:
     """The GPTQ column sweep for `kernel` (auto | torch | triton) on `device`: auto = the Triton kernel on CUDA
     when triton imports, else torch's. Both give the same codes; Triton's is the fast one on a GPU."""

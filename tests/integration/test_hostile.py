@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import SafetensorError
 
 from pipeline import cli
@@ -673,3 +674,21 @@ def test_converted_gguf_records_its_license(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(tmp_path / "cache"))
     assert source.resolve(str(f)).path == cached
     assert json.loads((cached / "source.json").read_text())["license"] == "apache-2.0"
+
+
+@pytest.mark.parametrize("setting", ["gptq.kernel", "awq.clip_kernel"])
+def test_triton_kernel_where_it_cannot_run_is_refused_before_weights(tiny_llama, tmp_path, monkeypatch, capsys,
+                                                                     setting):
+    """A recipe that names the Triton kernel on a device without it is told which setting to change in pre-flight,
+    not at the first decoder layer."""
+    from quantize.source import load as source
+
+    if torch.cuda.is_available():
+        pytest.skip("Triton runs here")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(source, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    group, key = setting.split(".")
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="kern", device="cpu", advanced={group: {key: "triton"}})
+    rc, msg = _cli(capsys, "run", recipe, "--out", tmp_path / "a", "--no-eval")
+    assert rc == 2 and f"advanced.{setting} triton was asked for but cannot run" in msg, msg
+    assert not (tmp_path / "a" / "kern").exists()
