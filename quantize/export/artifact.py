@@ -4,8 +4,8 @@ serve config and the model card (`write` holds the file primitives)."""
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass

@@ -11,7 +11,7 @@ The candidates' ranges, scales, zero points and fake-quantized weights are the t
 round-half-to-even, no fused multiply-add). The error Δ G Δᵀ is a float32 sum in another order than cuBLAS's, so
 two candidates whose errors agree to float32 rounding may be ordered the other way: the pick can differ there, by
 less than that rounding in the quantity the search minimises. The unit test bounds it.
-This module imports triton: `awq_search.clip_kernel` imports it only when the kernel is wanted.
+This module imports triton: `capture.device.awq_clip` imports it only when the kernel is wanted.
 """
 
 from __future__ import annotations
