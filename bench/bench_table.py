@@ -121,6 +121,7 @@ def table(report: dict) -> str:
         built = f"{b['params'] / 1e9:.2f} B params, build {b['build_s']} s{' (reused)' if b['reused'] else ''}"
         lines.append(f"checkpoint {name}: {built if b['ok'] else 'BUILD FAILED'}")
     for method, title in (("awq", "AWQ"), ("gptq", "GPTQ"), ("gptq-warm", "GPTQ re-run (Triton cache warm)"),
+                          ("awq-warm", "AWQ re-run (Triton cache warm)"),
                           ("gptq-onepass", "GPTQ one pass (true_seq off)"), ("gptq-tf32", "GPTQ update tf32"),
                           ("awq-classic", "AWQ classic clip, RTN"), ("awq-gptq", "AWQ + GPTQ rounding")):
         ours, peer = runs.get(f"ours-{method}"), runs.get(f"llmc-{method.split('-')[0]}")

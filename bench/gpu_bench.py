@@ -15,6 +15,7 @@ On the GPU host (offline; wheels collected by bench/peers/collect_wheels.sh into
                           a layer from one forward, as llm-compressor does
    ours-gptq-tf32         the same on bench-gptq-tf32-g128.yaml: advanced.gptq.update tf32 (approximate cross-block update)
    ours-gptq-warm         ours-gptq again: after it, Triton's on-disk cache holds the compiled sweep (steady state)
+   ours-awq-warm          ours-awq again: Triton's cache then holds the compiled clip search (a host's later runs)
    ours-awq-classic       AWQ with AutoAWQ's clip search and round-to-nearest (bench-awq-classic-g128.yaml: no
                           per-side clip, no scale refit): the shipped defaults' time against it
    ours-awq-gptq          AWQ's scales and clip grid, GPTQ's rounding (bench-awq-gptq-g128.yaml)
@@ -61,9 +62,10 @@ from bench.bench_table import table  # noqa: E402
 COMPARE_GROUPS = (32, 64, 128)  # the group sizes of the comparison jobs
 _ALONE = {m: tuple(f"ours-{m}-g{g}" for g in COMPARE_GROUPS) for m in ("awq", "gptq")}
 JOBS = ("ours-awq", "ours-gptq", "llmc-awq", "llmc-gptq", "ours-72b-awq", "ours-72b-gptq", "ours-gptq-onepass",
-        "ours-gptq-tf32", "ours-gptq-warm", "ours-awq-classic", "ours-awq-gptq", *_ALONE["awq"], *_ALONE["gptq"],
+        "ours-gptq-tf32", "ours-gptq-warm", "ours-awq-warm", "ours-awq-classic", "ours-awq-gptq", *_ALONE["awq"], *_ALONE["gptq"],
         "ours-awq-compare", "ours-gptq-compare", "autoround-awq")
-# ours first (ours-gptq compiles the Triton sweep on a fresh machine, ours-gptq-warm runs it from Triton's cache);
+# ours first (ours-gptq and ours-awq compile their Triton kernels on a fresh machine, the -warm jobs run them from
+# Triton's cache);
 # a comparison after its runs alone, so neither side pays a compile the other does not
 ALIASES = {"ours-72b": ("ours-72b-awq", "ours-72b-gptq"),
            "all-7b": ("ours-gptq", "ours-gptq-warm", "ours-gptq-onepass", "ours-awq", "llmc-gptq", "llmc-awq"),

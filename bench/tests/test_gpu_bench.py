@@ -47,6 +47,8 @@ def test_job_selection(tmp_path):
     # the warm re-run is the default GPTQ recipe again
     warm = yaml.safe_load(Path(gpu_bench.job_command("ours-gptq-warm", "/m", args)[2]).read_text())
     assert warm["base"].endswith("bench-gptq-g128.yaml")
+    warm = yaml.safe_load(Path(gpu_bench.job_command("ours-awq-warm", "/m", args)[2]).read_text())
+    assert warm["base"].endswith("bench-awq-g128.yaml")
     with pytest.raises(SystemExit):
         gpu_bench.parse_args(["--only", "ours-awk"])
 
