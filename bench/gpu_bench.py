@@ -62,8 +62,8 @@ from bench.bench_table import table  # noqa: E402
 COMPARE_GROUPS = (32, 64, 128)  # the group sizes of the comparison jobs
 _ALONE = {m: tuple(f"ours-{m}-g{g}" for g in COMPARE_GROUPS) for m in ("awq", "gptq")}
 JOBS = ("ours-awq", "ours-gptq", "llmc-awq", "llmc-gptq", "ours-72b-awq", "ours-72b-gptq", "ours-gptq-onepass",
-        "ours-gptq-tf32", "ours-gptq-warm", "ours-awq-warm", "ours-awq-classic", "ours-awq-gptq", *_ALONE["awq"], *_ALONE["gptq"],
-        "ours-awq-compare", "ours-gptq-compare", "autoround-awq")
+        "ours-gptq-tf32", "ours-gptq-warm", "ours-awq-warm", "ours-awq-classic", "ours-awq-gptq", *_ALONE["awq"],
+        *_ALONE["gptq"], "ours-awq-compare", "ours-gptq-compare", "autoround-awq")
 # ours first (ours-gptq and ours-awq compile their Triton kernels on a fresh machine, the -warm jobs run them from
 # Triton's cache);
 # a comparison after its runs alone, so neither side pays a compile the other does not
