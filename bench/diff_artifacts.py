@@ -29,12 +29,19 @@ def _where(root: Path) -> dict[str, Path]:
     return out
 
 
+class NotComparable(ValueError):
+    """The two directories cannot be compared tensor by tensor (the message says why and what to pass)."""
+
+
 def diff(a: Path, b: Path) -> dict:
     """-> {"tensors": kind -> {"elements", "differ", "share"}, "output_error": {"mean": [a, b], "max": [a, b]}}."""
     wa, wb = _where(a), _where(b)
+    for root, where in ((a, wa), (b, wb)):
+        if not where:
+            raise NotComparable(f"{root} holds no .safetensors file; pass two artifact directories")
     if wa.keys() != wb.keys():
-        raise SystemExit(f"error: {a} and {b} hold different tensors ({len(wa)} against {len(wb)} names); compare "
-                         f"two artifacts of one model and format")
+        raise NotComparable(f"{a} and {b} hold different tensors ({len(wa)} against {len(wb)} names); compare "
+                            f"two artifacts of one model and format")
     kinds: dict[str, list[int]] = {}
     for name in sorted(wa):
         with safe_open(str(wa[name]), "pt") as x, safe_open(str(wb[name]), "pt") as y:
@@ -55,7 +62,11 @@ def main() -> None:
     ap.add_argument("b", type=Path)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    out = diff(args.a, args.b)
+    try:
+        out = diff(args.a, args.b)
+    except NotComparable as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     text = json.dumps(out, indent=1)
     print(text)
     if args.json:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from bench.diff_artifacts import diff
+from bench.diff_artifacts import NotComparable, diff
 
 
 def _artifact(root, tensors):
@@ -31,5 +31,7 @@ def test_counts_differing_elements_per_tensor_kind(tmp_path):
 def test_artifacts_with_other_tensors_are_refused(tmp_path):
     a = _artifact(tmp_path / "a", {"x.qweight": torch.zeros(2, dtype=torch.int32)})
     b = _artifact(tmp_path / "b", {"y.qweight": torch.zeros(2, dtype=torch.int32)})
-    with pytest.raises(SystemExit, match="different tensors"):
+    with pytest.raises(NotComparable, match="different tensors"):
         diff(a, b)
+    with pytest.raises(NotComparable, match="no .safetensors"):
+        diff(a, tmp_path / "missing")
