@@ -8,6 +8,7 @@ capture loop's data (`capture.LayerData`) and the pure algorithm (`quantize/meth
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -16,7 +17,7 @@ from . import awq_search as awq, gptq_sweep as gptq, output_error
 from ..source.arch import Arch, ScaleGroup, active_scale_groups, layer_prefix
 from ..capture.loop import LayerData
 from ..capture.device import clock as _clock
-from ..capture.device import awq_clip, gptq_sweep, side_stream
+from ..capture.device import awq_clip, awq_search_dtype, gptq_sweep, side_stream
 from ..capture.distributed import Dist
 from .primitives import quantize
 from ..runlog import RunLog
@@ -26,15 +27,18 @@ from .layer import (QuantResult, batches, cost, expert_hidden, feature_of, first
                     owned, qspec, read_back, routing, rows_of, search_batches, store, store_rows, unit_inputs, units)
 
 
-def _search_stats(r) -> dict:
-    """An AWQ scale search's record: the chosen ratio, its loss, round-to-nearest's loss, candidates tried."""
+def _search_stats(r, forward_dtype: torch.dtype | None) -> dict:
+    """An AWQ scale search's record: the chosen ratio, its loss, round-to-nearest's loss, candidates tried, and for
+    a search that ran an inspected block, the dtype of those forwards."""
     return {"best_ratio": r.ratio, "loss": r.losses[r.ratio], "loss_rtn": r.losses[0.0], "n_evaluated": len(r.losses),
-            "n_pruned": r.pruned}
+            "n_pruned": r.pruned,
+            **({"forward_dtype": str(forward_dtype).removeprefix("torch.")} if forward_dtype is not None else {})}
 
 
 def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], recipe, spec: awq.QSpec,
                   dist: Dist | None = None, shared: dict | None = None):
-    """Scale search for one scale group of data.layer -> awq.ScaleSearch. dist: the candidate ratios of each round
+    """Scale search for one scale group of data.layer -> (awq.ScaleSearch, the dtype its block forwards ran in, None
+    for a single linear's search). dist: the candidate ratios of each round
     are shared out over the ranks (`Dist.spread`), each loss computed whole on one rank. shared: `LayerData.shared`
     where data.layer is still unmodified: the inspected block's FP output (or the single linear's Gram matrix) on
     the chosen batches is computed once for every variant of a comparison, whatever its group size."""
@@ -47,25 +51,31 @@ def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], 
     xb = batches(x_loss, [data.inputs[i] for i in chosen])
     kwargs = [data.kwargs[i] for i in chosen]
     block = layer.get_submodule(g.inspect) if g.inspect else None
+    weights = next((linears[0] if block is None else block).parameters()).dtype
+    cast = None if block is None else awq_search_dtype(fast.search_dtype, x.device, weights)
+
+    def forward(xi, kw):  # autocast is left before a generator yields: the loss itself is formed in fp32
+        with torch.autocast(x.device.type, dtype=cast) if cast is not None else nullcontext():
+            return first_output(block(xi) if kw is None else block(hidden_states=xi, **kw))
     if block is None:
         run_inspect = None  # the single linear itself: loss from XᵀX or X ΔWᵀ, no forward per grid point
     elif g.inspect_takes_layer_kwargs:  # generators: the search may stop a candidate after any batch
         def run_inspect():
-            return (first_output(block(hidden_states=xi, **kw)) for xi, kw in zip(xb, kwargs))
+            return (forward(xi, kw) for xi, kw in zip(xb, kwargs))
     else:
         def run_inspect():
-            return (first_output(block(xi)) for xi in xb)
+            return (forward(xi, None) for xi in xb)
     reference = gram = None
     with torch.no_grad():
         if shared is not None:  # the name holds what the value depends on besides the shared inputs
-            weights = next((linears[0] if block is None else block).parameters()).dtype
-            key = ("awq.search", g.inspect or g.linears[0], tuple(chosen), x.dtype, weights)
+            key = ("awq.search", g.inspect or g.linears[0], tuple(chosen), x.dtype, weights, cast)
             if key not in shared:
                 shared[key] = awq.loss_gram(x_loss) if run_inspect is None else list(run_inspect())
             gram, reference = (shared[key], None) if run_inspect is None else (None, shared[key])
-        return awq.search_scales(x, linears, quantized, run_inspect, spec, opts.n_grid, opts.duo_scaling,
-                                 coarse_step=fast.coarse_step, x_loss=x_loss, grid_batch=fast.grid_batch,
-                                 spread=None if dist is None else dist.spread, reference=reference, gram=gram)
+        r = awq.search_scales(x, linears, quantized, run_inspect, spec, opts.n_grid, opts.duo_scaling,
+                              coarse_step=fast.coarse_step, x_loss=x_loss, grid_batch=fast.grid_batch,
+                              spread=None if dist is None else dist.spread, reference=reference, gram=gram)
+    return r, None if block is None else cast or weights
 
 
 def _clip_layer(data: LayerData, arch: Arch, local: set[str], opts, spec: awq.QSpec,
@@ -247,8 +257,8 @@ def search_layer_scales(data: LayerData, arch: Arch, recipe, local: set[str],
         if not any(quantized):
             continue
         t = _clock(device)
-        r = _search_group(data, g, quantized, chosen_batches, recipe, spec, dist, data.shared)
-        stats[g.prev] = {**_search_stats(r), "seconds": round(_clock(device) - t, 4)}
+        r, forward_dtype = _search_group(data, g, quantized, chosen_batches, recipe, spec, dist, data.shared)
+        stats[g.prev] = {**_search_stats(r, forward_dtype), "seconds": round(_clock(device) - t, 4)}
         chosen.append((g, r.scales))
     return chosen, stats
 
@@ -289,9 +299,9 @@ def awq_moe(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype:
         chosen = search_batches([t.shape[0] * t.shape[1] for t in data.inputs], opts.search_tokens,
                                 recipe.calibration.seed + data.index)
         g = ScaleGroup(prev=x_.norm, linears=tuple(fed), inspect=x_.block)
-        r = _search_group(dataclasses.replace(data, features={fed[0]: x}), g, [n in local for n in fed], chosen,
-                          recipe, spec)
-        stats[x_.norm] = _search_stats(r)
+        r, forward_dtype = _search_group(dataclasses.replace(data, features={fed[0]: x}), g,
+                                         [n in local for n in fed], chosen, recipe, spec)
+        stats[x_.norm] = _search_stats(r, forward_dtype)
         awq.apply_scales(layer.get_submodule(x_.norm), [layer.get_submodule(n) for n in consumers], r.scales,
                          arch.norm_offset)
         x = x / r.scales.to(x.dtype)  # [T, H] what the scaled linears now see

@@ -8,11 +8,13 @@ refused with a message that names the key, the value and what is allowed.
 Settings that say what the artifact is or how good it is (method, bits, group size, symmetry, calibration, the
 AWQ and GPTQ settings of the papers and of AutoAWQ, incl. awq.search_tokens, whose default already subsamples)
 are top-level keys and sections. Speed experiments are under `advanced:`: their defaults are the plain
-algorithm, and changing one trades quality for time or changes only time and memory, as docs/BENCHMARKS.md
-measured for each:
+algorithm (but for search_dtype: auto on a float32 CPU run with AMX, below), and changing one trades quality
+for time or changes only time and memory, as docs/BENCHMARKS.md measured for each:
   advanced.awq.coarse_step   coarse-to-fine over the ratio grid (k = 4 missed the grid minimum: +0.07 ppl)
   advanced.awq.grid_batch    candidates per matmul in single-linear groups (memory; exact)
   advanced.awq.clip_kernel   the clip search's implementation: auto (Triton on CUDA) | torch | triton
+  advanced.awq.search_dtype  the scale search's block forwards: auto (bfloat16 on a float32 CPU run with AMX)
+                             | compute | bfloat16 (an approximation of the loss: its quality is measured)
   advanced.gptq.kernel       the column sweep's implementation: auto (Triton on CUDA) | torch | triton (same codes)
   advanced.gptq.update       the sweep's cross-block update in float32 or in TF32 operands (an approximation)
 """

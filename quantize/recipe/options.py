@@ -56,6 +56,10 @@ class AdvancedAwq(_Strict):
     coarse_step: int = Field(1, gt=0)
     grid_batch: int = Field(4, gt=0)  # candidates per matmul in single-linear groups (memory knob, exact)
     clip_kernel: Literal["auto", "torch", "triton"] = "auto"  # clip search; auto = triton on CUDA when it imports
+    # the dtype of the scale search's block forwards (torch.autocast): auto = bfloat16 where the compute dtype is
+    # float32 on a CPU with AMX tiles (its bf16 matmuls run ~6x faster than float32; quality in
+    # docs/BENCHMARKS.md), else the compute dtype; compute = always the compute dtype
+    search_dtype: Literal["auto", "compute", "bfloat16"] = "auto"
 
 
 class AdvancedGptq(_Strict):
@@ -68,7 +72,8 @@ class AdvancedGptq(_Strict):
 
 
 class Advanced(_Strict):
-    """Speed experiments, not quality settings: the defaults are the plain algorithm (module docstring)."""
+    """Speed experiments, not quality settings: the defaults are the plain algorithm (module docstring), except
+    `awq.search_dtype: auto`, which on a float32 CPU run with AMX ranks AWQ's candidates in bfloat16."""
 
     awq: AdvancedAwq = AdvancedAwq()
     gptq: AdvancedGptq = AdvancedGptq()
