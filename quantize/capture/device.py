@@ -200,7 +200,8 @@ def awq_search_dtype(setting: str, device: torch.device, compute_dtype: torch.dt
     """The dtype AWQ's scale search runs its inspected blocks' forwards in (under torch.autocast), or None for the
     compute dtype itself. setting (`advanced.awq.search_dtype`): compute -> None; bfloat16 -> bfloat16 unless the
     compute dtype is bfloat16 already; auto -> bfloat16 where the compute dtype is float32 on a CPU with AMX tiles,
-    whose bf16 matmuls ran 6.3x faster than its float32 ones (2 cores, SmolLM2's MLP shapes on 8,192 tokens), and
+    whose bf16 matmuls ran 6.3x faster than its float32 ones (2 cores, SmolLM2's MLP shapes on 8,192 tokens:
+    bench/results/cpu-awq-bf16-search-2026-12-04.json), and
     the compute dtype elsewhere (no CPU without AMX has been measured to gain; a GPU run computes in 16 bits as it is).
     Only the loss that ranks the candidate ratios moves; the statistics, clip search and rounding stay as they are.
     """
