@@ -26,6 +26,7 @@ import os
 import resource
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 T0 = time.perf_counter()
@@ -35,6 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.kernel_profile import KernelProfile  # noqa: E402
 from bench.versions import installed  # noqa: E402
 from quantize import manifest, runner
 from quantize.capture import distributed  # noqa: E402
@@ -75,6 +77,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("recipe", nargs="+", help="recipe YAML path or name; several: one shared pass")
     ap.add_argument("--out-root", required=True, help="parent directory of the artifact")
     ap.add_argument("--json", type=Path, required=True, help="where the record is written")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="also run torch.profiler over the run and write its kernel summary here "
+                         "(bench/kernel_profile.py; one process, no torchrun)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -84,12 +89,14 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.reset_peak_memory_stats()
     runlog = RunLog()
     t1 = time.perf_counter()
+    profile = KernelProfile() if args.profile is not None and dist is None else nullcontext()
     try:
-        if len(args.recipe) == 1:
-            arts = [runner.run(args.recipe[0], out_root=args.out_root, force=True, runlog=runlog, dist=dist)]
-        else:
-            arts = runner.run_many([load_recipe(r) for r in args.recipe], args.out_root, force=True, runlog=runlog,
-                                   dist=dist)
+        with profile:
+            if len(args.recipe) == 1:
+                arts = [runner.run(args.recipe[0], out_root=args.out_root, force=True, runlog=runlog, dist=dist)]
+            else:
+                arts = runner.run_many([load_recipe(r) for r in args.recipe], args.out_root, force=True,
+                                       runlog=runlog, dist=dist)
         art = arts[0]
         run_s = time.perf_counter() - t1
         ranks = None
@@ -129,6 +136,11 @@ def main(argv: list[str] | None = None) -> dict:
     if ranks is not None and cuda:  # the busiest GPU's peak
         record["peak_gpu_alloc_gib"] = max(r["peak_gpu_alloc_gib"] for r in ranks)
         record["peak_gpu_reserved_gib"] = max(r["peak_gpu_reserved_gib"] for r in ranks)
+    if isinstance(profile, KernelProfile):  # its busy share is of the quantize stage: most kernels run there
+        summary = profile.summary(runlog.stages.get("quantize") or run_s)
+        args.profile.write_text(json.dumps(summary, indent=2) + "\n")
+        record["profile"] = {k: summary[k] for k in ("wall_s", "kernel_seconds", "busy_s", "busy_share_of_wall",
+                                                      "by_kind_s")}
     args.json.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record), flush=True)
     return record
