@@ -172,6 +172,8 @@ def check_kernels(recipe, device: torch.device) -> None:
         gptq_sweep("triton", device)
     if recipe.advanced.awq.clip_kernel == "triton":
         awq_clip("triton", device)
+    if recipe.advanced.awq.search_kernel == "triton":
+        awq_fake_quant("triton", device)
 
 
 def gptq_sweep(kernel: str, device: torch.device) -> gptq.Sweep:
@@ -194,6 +196,26 @@ def awq_clip(kernel: str, device: torch.device) -> Callable:
             return module.search_clip_triton(w, gram, spec, n_grid, max_shrink, per_side)
         return awq.search_clip(w, gram, spec, n_grid, max_shrink, per_side)
     return search
+
+
+def awq_fake_quant(kernel: str, device: torch.device) -> awq.FakeQuant:
+    """How AWQ's scale search fake-quantizes its candidates for `kernel` (auto | torch | triton) on `device`: auto =
+    the Triton kernel (`methods.awq_fq_triton`, the torch function's values bit for bit) on CUDA when triton
+    imports, else torch's. The kernel takes power-of-two groups of 16 to 128 columns; other weights go to torch."""
+    module = _triton_module("awq_fq_triton", kernel, device, "advanced.awq.search_kernel")
+    if module is None:
+        return awq.TORCH_FQ
+
+    def candidate(w, s, spec):
+        if module.supports(w, spec.group):
+            return module.scaled_fake_quant_triton(w, s, spec)
+        return awq.TORCH_FQ.candidate(w, s, spec)
+
+    def delta(w, s, spec, out):
+        if module.supports(w, spec.group) and out.stride(1) == 1:
+            return module.scaled_fake_quant_triton(w, s, spec, delta=True, out=out)
+        return awq.TORCH_FQ.delta(w, s, spec, out)
+    return awq.FakeQuant("triton", candidate, delta)
 
 
 def awq_search_dtype(setting: str, device: torch.device, compute_dtype: torch.dtype) -> torch.dtype | None:

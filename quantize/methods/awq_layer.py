@@ -17,7 +17,7 @@ from . import awq_search as awq, gptq_sweep as gptq, output_error
 from ..source.arch import Arch, ScaleGroup, active_scale_groups, layer_prefix
 from ..capture.loop import LayerData
 from ..capture.device import clock as _clock
-from ..capture.device import awq_clip, awq_search_dtype, gptq_sweep, side_stream
+from ..capture.device import awq_clip, awq_fake_quant, awq_search_dtype, gptq_sweep, side_stream
 from ..capture.distributed import Dist
 from .primitives import quantize
 from ..runlog import RunLog
@@ -74,7 +74,8 @@ def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], 
             gram, reference = (shared[key], None) if run_inspect is None else (None, shared[key])
         r = awq.search_scales(x, linears, quantized, run_inspect, spec, opts.n_grid, opts.duo_scaling,
                               coarse_step=fast.coarse_step, x_loss=x_loss, grid_batch=fast.grid_batch,
-                              spread=None if dist is None else dist.spread, reference=reference, gram=gram)
+                              spread=None if dist is None else dist.spread, reference=reference, gram=gram,
+                              fq=awq_fake_quant(fast.search_kernel, x.device))
     return r, None if block is None else cast or weights
 
 
@@ -323,7 +324,8 @@ def _awq_unit(data: LayerData, arch: Arch, path: str, x: torch.Tensor, local: se
         z = expert_hidden(mlp, x)  # [n, I]
         if down in local:
             r = awq.search_scales(z, [mlp.down_proj], [True], None, spec, opts.n_grid, opts.duo_scaling,
-                                  coarse_step=fast.coarse_step, grid_batch=fast.grid_batch)
+                                  coarse_step=fast.coarse_step, grid_batch=fast.grid_batch,
+                                  fq=awq_fake_quant(fast.search_kernel, z.device))
             awq.apply_scales(mlp.up_proj, [mlp.down_proj], r.scales)
             z = z / r.scales.to(z.dtype)
     # the expert as a one-MLP table, so clipping and rounding run exactly as for a dense MLP

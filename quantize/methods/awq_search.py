@@ -64,11 +64,29 @@ def _scaled_fake_quant(w: torch.Tensor, s: torch.Tensor, spec: QSpec) -> torch.T
     return buf.div_(s.view(1, -1)).to(w.dtype)
 
 
+def _scaled_delta(w: torch.Tensor, s: torch.Tensor, spec: QSpec, out: torch.Tensor) -> torch.Tensor:
+    """-> out [out, in] (float32) = _scaled_fake_quant(w, s, spec) - w, formed in float32."""
+    return torch.sub(_scaled_fake_quant(w, s, spec).float(), w.float(), out=out)
+
+
+@dataclass(frozen=True)
+class FakeQuant:
+    """How the scale search fake-quantizes a candidate: torch's functions, or a kernel that gives their values
+    (`capture.device.awq_fake_quant`)."""
+
+    name: str
+    candidate: Callable[[torch.Tensor, torch.Tensor, QSpec], torch.Tensor]  # (w, s, spec) -> Q(w·s)/s, w's dtype
+    delta: Callable[[torch.Tensor, torch.Tensor, QSpec, torch.Tensor], torch.Tensor]  # (w, s, spec, out) -> out
+
+
 def _fake_quant_(wg: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, w_bit: int) -> torch.Tensor:
     """wg: [..., g] grouped weights, scales/zeros: [...] (float) -> wg, overwritten with its fake-quant on that grid:
     `primitives.quantize` then `dequantize`, step for step (the same values), without a temporary per step."""
     sc, z = scales.unsqueeze(-1), zeros.unsqueeze(-1)
     return wg.div_(sc).round_().add_(z).clamp_(0, 2**w_bit - 1).sub_(z).mul_(sc)
+
+
+TORCH_FQ = FakeQuant("torch", _scaled_fake_quant, _scaled_delta)
 
 
 def grid_order(n_grid: int, coarse_step: int) -> Iterator[list[int]]:
@@ -134,6 +152,7 @@ def search_scales(
     reference: list[torch.Tensor] | None = None,
     gram: torch.Tensor | None = None,
     prune: bool = True,
+    fq: FakeQuant = TORCH_FQ,
 ) -> ScaleSearch:
     """x: [tokens, in] shared input of `linears` -> best scales [in] (fp32), ratio and losses.
 
@@ -152,6 +171,7 @@ def search_scales(
     prune: with an inspected block, stop a candidate's batches once its running loss passes the best whole loss
     so far (`_block_loss`): the same pick, fewer block forwards; its loss is then not in `losses`. run_inspect may
     return a generator, so that a stopped candidate's remaining batches are never run.
+    fq: how each candidate is fake-quantized (the same values either way).
     Weights are restored before returning.
     """
     x_loss = x if x_loss is None else x_loss
@@ -168,8 +188,10 @@ def search_scales(
         def losses_of(cands: list[torch.Tensor]) -> list[float]:
             out, w0 = [], originals[0]
             for start in range(0, len(cands), grid_batch):
-                deltas = torch.stack([_scaled_fake_quant(w0, s, spec).float() - w0.float()
-                                      for s in cands[start : start + grid_batch]])  # [k, out, in]
+                chunk = cands[start : start + grid_batch]
+                deltas = torch.empty(len(chunk), *w0.shape, dtype=torch.float32, device=w0.device)  # [k, out, in]
+                for j, s in enumerate(chunk):
+                    fq.delta(w0, s, spec, deltas[j])
                 out += _linear_losses(deltas, x_loss, gram)
             return out
     else:
@@ -182,7 +204,7 @@ def search_scales(
             for s in cands:
                 for fc, orig, q in zip(linears, originals, quantized):
                     if q:
-                        fc.weight.data = _scaled_fake_quant(orig, s, spec)
+                        fc.weight.data = fq.candidate(orig, s, spec)
                 out.append(_block_loss(run_inspect(), reference, n_out, bound))
                 if prune and out[-1] is not None and out[-1] < bound:
                     bound = out[-1]

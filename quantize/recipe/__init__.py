@@ -13,6 +13,8 @@ for time or changes only time and memory, as docs/BENCHMARKS.md measured for eac
   advanced.awq.coarse_step   coarse-to-fine over the ratio grid (k = 4 missed the grid minimum: +0.07 ppl)
   advanced.awq.grid_batch    candidates per matmul in single-linear groups (memory; exact)
   advanced.awq.clip_kernel   the clip search's implementation: auto (Triton on CUDA) | torch | triton
+  advanced.awq.search_kernel the scale search's candidate fake-quantization: auto (Triton on CUDA) | torch |
+                             triton (the same values bit for bit)
   advanced.awq.search_dtype  the scale search's block forwards: auto (bfloat16 on a float32 CPU run with AMX)
                              | compute | bfloat16 (an approximation of the loss: its quality is measured)
   advanced.gptq.kernel       the column sweep's implementation: auto (Triton on CUDA) | torch | triton (same codes)

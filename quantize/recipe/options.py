@@ -56,6 +56,9 @@ class AdvancedAwq(_Strict):
     coarse_step: int = Field(1, gt=0)
     grid_batch: int = Field(4, gt=0)  # candidates per matmul in single-linear groups (memory knob, exact)
     clip_kernel: Literal["auto", "torch", "triton"] = "auto"  # clip search; auto = triton on CUDA when it imports
+    # the scale search's fake-quantization of each candidate; auto = triton on CUDA when it imports (the same
+    # values as torch's, in one pass over the weights instead of a dozen)
+    search_kernel: Literal["auto", "torch", "triton"] = "auto"
     # the dtype of the scale search's block forwards (torch.autocast): auto = bfloat16 where the compute dtype is
     # float32 on a CPU with AMX tiles (its bf16 matmuls run ~6x faster than float32; quality in
     # docs/BENCHMARKS.md), else the compute dtype; compute = always the compute dtype

@@ -676,7 +676,7 @@ def test_converted_gguf_records_its_license(tiny_llama, tmp_path, monkeypatch):
     assert json.loads((cached / "source.json").read_text())["license"] == "apache-2.0"
 
 
-@pytest.mark.parametrize("setting", ["gptq.kernel", "awq.clip_kernel"])
+@pytest.mark.parametrize("setting", ["gptq.kernel", "awq.clip_kernel", "awq.search_kernel"])
 def test_triton_kernel_where_it_cannot_run_is_refused_before_weights(tiny_llama, tmp_path, monkeypatch, capsys,
                                                                      setting):
     """A recipe that names the Triton kernel on a device without it is told which setting to change in pre-flight,
