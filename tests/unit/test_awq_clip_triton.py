@@ -63,15 +63,19 @@ def test_triton_clip_search_picks_the_torch_search():
         assert r["differ"] <= 0.02 and r["gap"] < 1e-5, r  # ties in float32, nothing more
 
 
-def test_clip_kernel_choice():
-    """torch on the CPU unless triton is asked for; asked for where it cannot run, the setting is named."""
+@pytest.mark.parametrize("chooser,torchs,setting", [("awq_clip", "search_clip", "advanced.awq.clip_kernel"),
+                                                     ("awq_fake_quant", "TORCH_FQ", "advanced.awq.search_kernel")])
+def test_awq_kernel_choice(chooser, torchs, setting):
+    """Each AWQ kernel setting (the clip search; the scale search's fake-quantization, test_awq_fq_triton.py): torch's
+    on the CPU unless triton is asked for; asked for where it cannot run, the setting is named."""
     from quantize.capture import device as dev
     from quantize.methods import awq_search as awq
 
-    assert dev.awq_clip("torch", torch.device("cpu")) is awq.search_clip
+    choose, reference = getattr(dev, chooser), getattr(awq, torchs)
+    assert choose("torch", torch.device("cpu")) is reference
     if not torch.cuda.is_available():
-        assert dev.awq_clip("auto", torch.device("cpu")) is awq.search_clip
-        with pytest.raises(dev.KernelUnavailable, match="advanced.awq.clip_kernel"):
-            dev.awq_clip("triton", torch.device("cpu"))
-    with pytest.raises(ValueError, match="advanced.awq.clip_kernel"):
-        dev.awq_clip("fast", torch.device("cpu"))
+        assert choose("auto", torch.device("cpu")) is reference
+        with pytest.raises(dev.KernelUnavailable, match=setting):
+            choose("triton", torch.device("cpu"))
+    with pytest.raises(ValueError, match=setting):
+        choose("fast", torch.device("cpu"))

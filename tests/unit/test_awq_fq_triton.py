@@ -56,23 +56,9 @@ def test_triton_fake_quant_is_torchs_bit_for_bit():
         assert r["candidate_differ"] == 0 and r["delta_differ"] == 0, r
 
 
-def test_search_kernel_choice():
-    """torch on the CPU unless triton is asked for; asked for where it cannot run, the setting is named."""
-    from quantize.capture import device as dev
-    from quantize.methods import awq_search as awq
-
-    assert dev.awq_fake_quant("torch", torch.device("cpu")) is awq.TORCH_FQ
-    if not torch.cuda.is_available():
-        assert dev.awq_fake_quant("auto", torch.device("cpu")) is awq.TORCH_FQ
-        with pytest.raises(dev.KernelUnavailable, match="advanced.awq.search_kernel"):
-            dev.awq_fake_quant("triton", torch.device("cpu"))
-    with pytest.raises(ValueError, match="advanced.awq.search_kernel"):
-        dev.awq_fake_quant("fast", torch.device("cpu"))
-
-
 def end_to_end(tmp: str) -> dict:
     """A tiny Llama quantized with AWQ twice, the search's candidates by torch and by the kernel (compiled on CUDA,
-    else interpreted) -> each artifact's weights sha256 and the kind each search ran with."""
+    else interpreted) -> each artifact's weights sha256, keyed by the kernel setting."""
     from pathlib import Path
 
     from quantize import manifest, runner
@@ -103,7 +89,8 @@ def test_search_with_the_kernel_writes_the_same_artifact(tmp_path):
         shas = end_to_end(str(tmp_path))
     else:
         env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        code = f"import json; from tests.unit.test_awq_fq_triton import end_to_end; print(json.dumps(end_to_end({str(tmp_path)!r})))"
+        code = ("import json; from tests.unit.test_awq_fq_triton import end_to_end; "
+                f"print(json.dumps(end_to_end({str(tmp_path)!r})))")
         p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=900)
         assert p.returncode == 0, p.stderr[-3000:]
