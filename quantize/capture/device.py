@@ -168,12 +168,11 @@ class KernelUnavailable(UserError, RuntimeError):
 def check_kernels(recipe, device: torch.device) -> None:
     """Pre-flight: a kernel the recipe asks for by name (`triton`) runs on `device`, else KernelUnavailable naming
     the setting, before any weight is loaded (the layer loop would find out only at its first layer)."""
-    if recipe.advanced.gptq.kernel == "triton":
-        gptq_sweep("triton", device)
-    if recipe.advanced.awq.clip_kernel == "triton":
-        awq_clip("triton", device)
-    if recipe.advanced.awq.search_kernel == "triton":
-        awq_fake_quant("triton", device)
+    adv = recipe.advanced
+    for setting, choose in ((adv.gptq.kernel, gptq_sweep), (adv.awq.clip_kernel, awq_clip),
+                            (adv.awq.search_kernel, awq_fake_quant)):
+        if setting == "triton":
+            choose("triton", device)
 
 
 def gptq_sweep(kernel: str, device: torch.device) -> gptq.Sweep:
