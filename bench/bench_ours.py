@@ -34,6 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from pipeline import bytecode  # noqa: E402
+
+BYTECODE = bytecode.prepare()  # before torch, as `python -m pipeline run` does
+
 import torch  # noqa: E402
 
 from bench.kernel_profile import KernelProfile  # noqa: E402
@@ -118,6 +122,9 @@ def main(argv: list[str] | None = None) -> dict:
         "gpu_total_gib": gib(torch.cuda.get_device_properties(0).total_memory) if cuda else None,
         "calibration": man.calibration.to_json() if man.calibration else None, "cuda_allocator": man.cuda_allocator,
         "stages_s": runlog.stages, "run_s": round(run_s, 3), "process_s": round(time.perf_counter() - T0, 2),
+        "bytecode": None if BYTECODE is None else {"compiled": BYTECODE.compiled, "present": BYTECODE.present,
+                                                   "workers": BYTECODE.workers,
+                                                   "seconds": round(BYTECODE.seconds, 2)},
         "per_layer": per_layer(runlog), "method_seconds": method_seconds(runlog),
         "peak_gpu_alloc_gib": gib(runlog.peak_allocated_bytes),
         "peak_gpu_reserved_gib": gib(runlog.peak_reserved_bytes),

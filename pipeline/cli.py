@@ -22,6 +22,7 @@ from pathlib import Path
 from quantize.errors import UserError
 from quantize.paths import check_output_parent, child
 from quantize.recipe import EvalOptions, RecipeError, list_recipes, load_recipe, load_variants
+from . import bytecode
 from .oom import is_out_of_memory, oom_message
 
 
@@ -199,6 +200,8 @@ def _main_handled(argv: list[str] | None) -> int:
     quiet = _world_size() > 1 and os.environ.get("RANK", "0") != "0"
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
+    if bytecode.PREPARED is not None:
+        logging.getLogger("pipeline").info(bytecode.PREPARED.line())
     handled = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
     previous = {s: signal.signal(s, _interrupt) for s in handled}
     try:
