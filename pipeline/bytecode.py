@@ -7,8 +7,9 @@ bytecode cache of its own (`sys.pycache_prefix`: $QUANTIZE_CACHE_DIR/bytecode, o
 set), compiles the files named in imports.txt that have no bytecode there yet in worker processes on every core
 at once, and lets the process (and the Python processes it starts: vLLM's server, the kernel-selection child)
 write bytecode for anything else they import into the same cache, so that the next process on the host finds it
-all. Nothing is written beside the installed sources. Where Python writes bytecode
-anyway (the flag unset), `prepare()` does nothing. QUANTIZE_BYTECODE=off turns it off.
+all. Nothing is written beside the installed sources. Where Python writes bytecode anyway (the flag unset), or
+the installed packages carry theirs (pip compiles what it installs, flag or not), `prepare()` does nothing.
+QUANTIZE_BYTECODE=off turns it off.
 
 imports.txt lists source files relative to the sys.path entry that holds them (`torch/nn/modules/linear.py`,
 `json/decoder.py`), as `bench/record_imports.py` records them from real runs; files a host does not have are
@@ -44,6 +45,10 @@ LIGHT = {"list", "validate", "-h", "--help"}
 PREPARED: "Prepared | None" = None
 # below this many files a worker's start costs more than it saves
 MIN_PER_WORKER = 64
+# With fewer cores the workers compile the whole list in about the time a process takes to compile what it
+# imports itself (2-core CPU box: 15.7 s for the list against 19-22 s for a whole pre-flight process that
+# compiles as it imports), so there the process compiles as it imports, into the cache, and only the next one gains
+MIN_CORES = 4
 
 
 @dataclass
@@ -120,11 +125,17 @@ def compile_all(pairs: list[tuple[str, str]], workers: int) -> None:
 
 def prepare(names: list[str] | None = None) -> Prepared | None:
     """Point this process at the bytecode cache and fill it with the listed files' bytecode -> what was done, or
-    None where nothing was wanted (Python keeps bytecode itself, QUANTIZE_BYTECODE=off) or the cache cannot be
-    written (then the process runs as it would have)."""
+    None where nothing was wanted (Python writes bytecode itself, QUANTIZE_BYTECODE=off, or most listed files
+    already have bytecode where Python looks for it) or the cache cannot be written; then the process runs as it
+    would have. Once a cache is set, Python no longer reads bytecode beside the sources, hence that last check."""
     if not wanted():
         return None
     t0 = time.perf_counter()
+    if names is None:
+        names = LIST.read_text().split() if LIST.is_file() else []
+    sources = listed(names)
+    if sum(os.path.exists(cache_from_source(s)) for s in sources) * 2 > len(sources):
+        return None  # the installed packages carry their bytecode (pip writes it at install): Python reads it there
     prefix = cache_dir()
     try:
         prefix.mkdir(parents=True, exist_ok=True)
@@ -137,15 +148,12 @@ def prepare(names: list[str] | None = None) -> Prepared | None:
     # and so does what its child processes import (vLLM's server and its kernel-selection child, workers)
     os.environ["PYTHONPYCACHEPREFIX"] = str(prefix)
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    if names is None:
-        names = LIST.read_text().split() if LIST.is_file() else []
     from filelock import FileLock  # torchrun's ranks share one host: one of them compiles, the others wait
 
     with FileLock(str(prefix / ".lock")):
-        sources = listed(names)
         pairs = [(s, cache_from_source(s)) for s in sources]
         missing = [(s, c) for s, c in pairs if not os.path.exists(c)]
-        workers = min(_cores(), len(missing) // MIN_PER_WORKER)
+        workers = min(_cores(), len(missing) // MIN_PER_WORKER) if _cores() >= MIN_CORES else 0
         if workers >= 2:
             compile_all(missing, workers)
     return Prepared(prefix, len(missing) if workers >= 2 else 0, len(pairs) - len(missing), max(workers, 0),

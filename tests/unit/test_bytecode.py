@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pipeline import bytecode
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +22,7 @@ sys.path.insert(0, sys.argv[1])
 sys.path.insert(0, sys.argv[2])
 from pipeline import bytecode
 bytecode.MIN_PER_WORKER = 1
-bytecode._cores = lambda: 2
+bytecode._cores = lambda: int(sys.argv[4])
 names = json.loads(sys.argv[3])
 p = bytecode.prepare(names)
 out = {"prepared": None if p is None else [str(p.prefix), p.compiled, p.present, p.workers],
@@ -44,25 +46,27 @@ def _sources(tmp_path: Path, value: int) -> Path:
     return lib
 
 
-def _child(lib: Path, cache: Path, names: list[str], **env) -> dict:
+def _child(lib: Path, cache: Path, names: list[str], cores: int = 4, **env) -> dict:
     e = {**os.environ, "QUANTIZE_CACHE_DIR": str(cache), "PYTHONDONTWRITEBYTECODE": "1", **env}
     e.pop("PYTHONPYCACHEPREFIX", None)
-    r = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), str(lib), json.dumps(names)], env=e,
+    r = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), str(lib), json.dumps(names), str(cores)], env=e,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_listed_files_are_compiled_in_parallel_and_imported_from_the_cache(tmp_path):
+@pytest.mark.parametrize("cores", [4, 2])
+def test_listed_files_are_compiled_and_imported_from_the_cache(tmp_path, cores):
     lib = _sources(tmp_path, 1)
     cache = tmp_path / "cache"
     names = ["mod_a.py", "pkg_b/__init__.py", "pkg_b/inner.py", "absent_pkg/x.py", "pkg_b/absent.py"]
-    first = _child(lib, cache, names)
+    first = _child(lib, cache, names, cores)
     prefix = cache / "bytecode"
-    assert first["prepared"] == [str(prefix), 3, 0, 2]  # the absent files are skipped
+    # the absent files are skipped; below MIN_CORES no workers: the process compiles as it imports, into the cache
+    assert first["prepared"] == ([str(prefix), 3, 0, 3] if cores >= 4 else [str(prefix), 0, 0, 0])
+    assert first["before_import"] == [cores >= 4] * 3
     # child processes are pointed at the same cache and allowed to write there
     assert first["env"] == [str(prefix), None]
-    assert first["before_import"] == [True, True, True]
     assert first["values"] == [1, 1]
     for cached in first["cached"]:
         assert Path(cached).is_file() and Path(cached).is_relative_to(prefix)
@@ -75,7 +79,7 @@ def test_listed_files_are_compiled_in_parallel_and_imported_from_the_cache(tmp_p
     _sources(tmp_path, 2)
     for p, st in stats.items():
         os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
-    second = _child(lib, cache, names)
+    second = _child(lib, cache, names, cores)
     assert second["prepared"] == [str(prefix), 0, 3, 0]
     assert second["values"] == [1, 1]
 
@@ -87,6 +91,16 @@ def test_nothing_is_done_where_python_keeps_bytecode_or_it_is_turned_off(tmp_pat
     assert not (tmp_path / "c1").exists()
     monkeypatch.setattr(sys, "dont_write_bytecode", False)
     assert bytecode.prepare(["mod_a.py"]) is None
+
+
+def test_packages_installed_with_their_bytecode_are_read_as_they_are(tmp_path):
+    # pip compiles what it installs whatever PYTHONDONTWRITEBYTECODE says; a cache would hide that bytecode
+    lib = _sources(tmp_path, 1)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(lib)], check=True, env=env)
+    got = _child(lib, tmp_path / "cache", ["mod_a.py", "pkg_b/__init__.py", "pkg_b/inner.py"])
+    assert got["prepared"] is None and got["env"] == [None, "1"]
+    assert not (tmp_path / "cache").exists()
 
 
 def test_commands_that_import_no_torch_are_left_alone(monkeypatch):
