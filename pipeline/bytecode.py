@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from importlib.util import cache_from_source
 from pathlib import Path
 
+from filelock import FileLock
+
 LIST = Path(__file__).with_name("imports.txt")
 # a worker compiles the (source, bytecode path) pairs it reads from stdin, one tab-separated pair a line
 WORKER = r"""
@@ -148,9 +150,7 @@ def prepare(names: list[str] | None = None) -> Prepared | None:
     # and so does what its child processes import (vLLM's server and its kernel-selection child, workers)
     os.environ["PYTHONPYCACHEPREFIX"] = str(prefix)
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    from filelock import FileLock  # torchrun's ranks share one host: one of them compiles, the others wait
-
-    with FileLock(str(prefix / ".lock")):
+    with FileLock(str(prefix / ".lock")):  # torchrun's ranks share one host: one of them compiles, the others wait
         pairs = [(s, cache_from_source(s)) for s in sources]
         missing = [(s, c) for s, c in pairs if not os.path.exists(c)]
         workers = min(_cores(), len(missing) // MIN_PER_WORKER) if _cores() >= MIN_CORES else 0

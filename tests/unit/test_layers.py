@@ -28,6 +28,8 @@ DEFERS = {          "quantize.formats": ("quantize.formats.", "quantize.methods.
           "quantize.source.arch": ("torch",), "quantize.source.load": ("torch",),
           "eval.lmeval": ("",),  # lm-eval (an optional extra) and its task files, only when a recipe asks for tasks
           "pipeline.cli": ("quantize.", "pipeline.", "torch", "subprocess"),
+          # the bytecode cache is prepared before the command line's own imports (pipeline/bytecode.py)
+          "pipeline.__main__": ("pipeline.cli",),
           "pipeline.oom": ("torch",)}
 
 
