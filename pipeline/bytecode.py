@@ -154,9 +154,10 @@ def prepare(names: list[str] | None = None) -> Prepared | None:
         pairs = [(s, cache_from_source(s)) for s in sources]
         missing = [(s, c) for s, c in pairs if not os.path.exists(c)]
         workers = min(_cores(), len(missing) // MIN_PER_WORKER) if _cores() >= MIN_CORES else 0
-        if workers >= 2:
+        workers = workers if workers >= 2 else 0  # one worker would only do what the process does as it imports
+        if workers:
             compile_all(missing, workers)
-    return Prepared(prefix, len(missing) if workers >= 2 else 0, len(pairs) - len(missing), max(workers, 0),
+    return Prepared(prefix, len(missing) if workers else 0, len(pairs) - len(missing), workers,
                     time.perf_counter() - t0)
 
 
