@@ -28,6 +28,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from quantize.paths import cache_dir as quantize_cache_dir
+
 LIST = Path(__file__).with_name("imports.txt")
 # a worker compiles the (source, bytecode path) pairs it reads from stdin, one tab-separated pair a line
 WORKER = r"""
@@ -76,7 +78,7 @@ def wanted() -> bool:
 def cache_dir() -> Path:
     if sys.pycache_prefix:
         return Path(sys.pycache_prefix)
-    return Path(os.environ.get("QUANTIZE_CACHE_DIR", Path.home() / ".cache" / "quantize")) / "bytecode"
+    return quantize_cache_dir() / "bytecode"
 
 
 def listed(names: list[str], roots: list[str] | None = None) -> list[str]:

@@ -10,6 +10,12 @@ from pathlib import Path
 from .errors import UserError
 
 
+def cache_dir() -> Path:
+    """The tool's cache root: $QUANTIZE_CACHE_DIR, or ~/.cache/quantize (GGUF conversions, reference perplexities,
+    vLLM's kernel answers, bytecode, each in its own folder)."""
+    return Path(os.environ.get("QUANTIZE_CACHE_DIR", Path.home() / ".cache" / "quantize"))
+
+
 class UnsafePathError(UserError, ValueError):
     """A name from a recipe or a flag would put a file outside its parent directory, or the parent is unusable."""
 

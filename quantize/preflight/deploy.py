@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .. import formats
 from ..errors import UserError
+from ..paths import cache_dir
 from ..recipe import SERVE_CAPABILITIES as CAPABILITIES  # Turing .. Blackwell
 from .modules import recipe_modules
 
@@ -134,7 +135,7 @@ def vllm_installed() -> bool:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("QUANTIZE_CACHE_DIR", Path.home() / ".cache" / "quantize")) / "deploy"
+    return cache_dir() / "deploy"
 
 
 def vllm_version() -> str | None:

@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from ..errors import UserError
 from .arch import attn_implementation, check_gguf_architecture
 from ..files import sha256_file
+from ..paths import cache_dir
 
 if TYPE_CHECKING:  # torch takes seconds to import: pre-flight reads config.json before it needs torch
     import torch
@@ -68,10 +69,6 @@ class ModelSource:
 def hub_offline() -> bool:
     """The one rule for 'the hub may not be used' (HF_HUB_OFFLINE=1/true/yes), shared by every loader."""
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("QUANTIZE_CACHE_DIR", Path.home() / ".cache" / "quantize"))
 
 
 def _package_file(spec: str) -> Path:
