@@ -44,7 +44,7 @@ for line in sys.stdin:
         pass  # a file that does not compile is compiled (and fails) where it is imported, as without a cache
 """
 # commands that import no torch: a cache would cost them more than it saves
-LIGHT = {"list", "validate", "-h", "--help"}
+LIGHT = {"list", "validate"}
 # what `prepare_for` did in this process, for the command line to log once logging is set up
 PREPARED: "Prepared | None" = None
 # below this many files a worker's start costs more than it saves
@@ -166,6 +166,6 @@ def prepare(names: list[str] | None = None) -> Prepared | None:
 def prepare_for(argv: list[str]) -> Prepared | None:
     """`prepare()` for a command line's arguments, unless its command imports no torch."""
     global PREPARED
-    if argv and argv[0] not in LIGHT and not {"-h", "--help"} & set(argv):
+    if argv and argv[0] not in LIGHT and not {"-h", "--help"} & set(argv):  # help, anywhere, imports no torch
         PREPARED = prepare()
     return PREPARED
