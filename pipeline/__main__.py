@@ -3,11 +3,17 @@ imports (pydantic, yaml) and long before torch's (`pipeline.bytecode`)."""
 
 import sys
 
+from quantize.errors import UserError
+
 from . import bytecode
 
 
 def main(argv: list[str] | None = None) -> int:
-    bytecode.prepare_for(sys.argv[1:] if argv is None else argv)
+    try:
+        bytecode.prepare_for(sys.argv[1:] if argv is None else argv)
+    except UserError as e:  # before the command line exists, so answered here the way it answers
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from .cli import main as cli_main
 
     return cli_main(argv)

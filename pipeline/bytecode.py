@@ -28,6 +28,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from quantize.errors import UserError
 from quantize.paths import cache_dir as quantize_cache_dir
 
 LIST = Path(__file__).with_name("imports.txt")
@@ -43,6 +44,8 @@ for line in sys.stdin:
     except Exception:
         pass  # a file that does not compile is compiled (and fails) where it is imported, as without a cache
 """
+# QUANTIZE_BYTECODE's values (unset is on)
+ON, OFF = ("", "on", "1", "true", "yes"), ("off", "0", "false", "no")
 # commands that import no torch: a cache would cost them more than it saves
 LIGHT = {"list", "validate"}
 # what `prepare_for` did in this process, for the command line to log once logging is set up
@@ -70,9 +73,13 @@ class Prepared:
 
 
 def wanted() -> bool:
-    """True where this process would otherwise compile every import from source and keep nothing."""
-    return os.environ.get("QUANTIZE_BYTECODE", "").lower() not in ("off", "0", "false", "no") and \
-        bool(sys.dont_write_bytecode)
+    """True where this process would otherwise compile every import from source and keep nothing (and
+    QUANTIZE_BYTECODE does not say off); a value that is neither on nor off is the user's to fix."""
+    value = os.environ.get("QUANTIZE_BYTECODE", "").strip().lower()
+    if value not in ON + OFF:
+        raise UserError(f"QUANTIZE_BYTECODE={os.environ['QUANTIZE_BYTECODE']!r} is neither on nor off: set it to "
+                        f"off to leave Python's bytecode settings alone, or unset it")
+    return value in ON and bool(sys.dont_write_bytecode)
 
 
 def cache_dir() -> Path:

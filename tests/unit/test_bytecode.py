@@ -103,6 +103,19 @@ def test_packages_installed_with_their_bytecode_are_read_as_they_are(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_setting_that_is_neither_on_nor_off_stops_the_command(monkeypatch, capsys):
+    from pipeline.__main__ import main
+
+    monkeypatch.setenv("QUANTIZE_BYTECODE", "disable")
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    prefix = sys.pycache_prefix
+    assert main(["run", "smollm2-awq-g64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: QUANTIZE_BYTECODE='disable' is neither on nor off: set it to off to leave Python's "
+                   "bytecode settings alone, or unset it"]
+    assert sys.pycache_prefix == prefix and "PYTHONPYCACHEPREFIX" not in os.environ
+
+
 def test_commands_that_import_no_torch_are_left_alone(monkeypatch):
     called = []
     monkeypatch.setattr(bytecode, "prepare", lambda: called.append(1))
