@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def imported_files() -> set[str]:
-    """sys.modules (but this repository's bench scripts, which no installed command runs) -> their .py sources as paths relative to the sys.path entry the import found them under (read
-    off the module's dotted name: `a.b` -> a/b.py or a/b/__init__.py)."""
+    """sys.modules (but this repository's bench scripts, which no installed command runs) -> their .py sources as
+    paths relative to the sys.path entry the import found them under, read off the module's dotted name: `a.b` ->
+    a/b.py or a/b/__init__.py."""
     out = set()
     for name, mod in list(sys.modules.items()):
         f = getattr(mod, "__file__", None)
