@@ -27,6 +27,7 @@ from .capture.device import check_kernels, configure_allocator
 from .capture.distributed import Dist
 from .capture.checkpoint import Checkpointer, fingerprint
 from .capture.job import DTYPES, Job, feature_names
+from .formats.pack import Packer
 from .methods.layer import is_skipped
 from .lock import output_lock
 from .paths import check_output_parent, child
@@ -254,6 +255,9 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool, runlog: RunL
         split_experts(model, pf.arch)  # one linear per expert: what vLLM reads (no-op for dense models)
         tied = tied_embeddings(model)
     jobs = [Job(r, pf.arch, set(p.convert), dtype, runlog=runlog, dist=dist) for r, p in zip(recipes, pf.plans)]
+    if device.type in PACK_DURING_PASS and (dist is None or dist.rank == 0):  # the writer packs layers as they end
+        for job in jobs:
+            job.packer = Packer(job.recipe, dtype, device)
     # once per run: git status is a subprocess
     provenance = {"versions": _versions(), "git": git_commit(), "cuda_allocator": pf.cuda_allocator}
     ckpt = _checkpointer(recipes, outs[0], pf, provenance)
@@ -262,16 +266,24 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool, runlog: RunL
         if ckpt is not None:
             log.info("checkpoints are not written with %d ranks: a killed run starts again", dist.world)
             ckpt = None
-    with timings.stage("quantize"):
-        numerics, pass_seconds = run_shared(model, pf.arch, pf.samples, device, compute_dtype, first.batch_size,
-                                            feature_names(pf.arch), jobs, ckpt, runlog, dist)
-    if dist is not None:  # rank 0 writes; the others wait for its outcome
-        written = dist.attempt(lambda: _write_all(recipes, jobs, pf, outs, model, timings, force, runlog, tied,
-                                                  storage_dtype, numerics, pass_seconds, provenance, ckpt)) \
-            if dist.rank == 0 else None
-        return dist.share(0, written)
-    return _write_all(recipes, jobs, pf, outs, model, timings, force, runlog, tied, storage_dtype, numerics,
-                      pass_seconds, provenance, ckpt)
+    try:
+        with timings.stage("quantize"):
+            numerics, pass_seconds = run_shared(model, pf.arch, pf.samples, device, compute_dtype,
+                                                first.batch_size, feature_names(pf.arch), jobs, ckpt, runlog, dist)
+        if dist is not None:  # rank 0 writes; the others wait for its outcome
+            written = dist.attempt(lambda: _write_all(recipes, jobs, pf, outs, model, timings, force, runlog, tied,
+                                                      storage_dtype, numerics, pass_seconds, provenance, ckpt)) \
+                if dist.rank == 0 else None
+            return dist.share(0, written)
+        return _write_all(recipes, jobs, pf, outs, model, timings, force, runlog, tied, storage_dtype, numerics,
+                          pass_seconds, provenance, ckpt)
+    finally:  # no packing thread outlives the run (a failed one included)
+        for job in jobs:
+            if job.packer is not None:
+                job.packer.close()
+
+
+PACK_DURING_PASS = {"cuda"}  # device types on which a worker packs each finished layer (`formats.pack.Packer`)
 
 
 def _write_all(recipes, jobs, pf: Checked, outs: list[Path], model, timings: Timings, force: bool,

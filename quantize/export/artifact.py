@@ -86,7 +86,8 @@ def _write(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run:
         unconverted = pool.submit(lambda: names(export.unconverted_tensors(
             model, set(job.results), run.dtype, drop, job.overrides)))
         found = pool.submit(lambda: export.nonfinite(unconverted.result()))
-        packed, qcfg = pack_all(job.results, recipe, list(the_plan.skipped), run.dtype, run.device)
+        ready = job.packer.packed() if job.packer is not None else None
+        packed, qcfg = pack_all(job.results, recipe, list(the_plan.skipped), run.dtype, run.device, ready)
         t1 = time.perf_counter()
         parts["pack"] = t1 - t0
         converted = names(export.packed_tensors(packed, run.dtype))
