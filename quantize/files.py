@@ -11,10 +11,15 @@ from typing import BinaryIO
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+        return sha256_of(f, chunk)
+
+
+def sha256_of(f: BinaryIO, chunk: int = 1 << 22) -> str:
+    """sha256 of an open file from its position to its end (the file is left open)."""
+    h = hashlib.sha256()
+    while block := f.read(chunk):
+        h.update(block)
     return h.hexdigest()
 
 

@@ -17,7 +17,7 @@ from typing import TypeVar
 from pydantic import ValidationError
 
 from .errors import UserError
-from .files import atomic_write_text, fsync_path, sha256_file
+from .files import atomic_write_text, fsync_path, sha256_file, sha256_of
 from .records import FileRecord, Manifest, Record, Report, ReportHashes, Seal
 
 R = TypeVar("R", bound=Record)
@@ -84,12 +84,25 @@ class Sealer:
         self.root = Path(root)
         self.pool = ThreadPoolExecutor(max_workers=min(16, 2 * (os.cpu_count() or 1)), thread_name_prefix="seal")
         self.pending: dict[Path, tuple[Future, Future]] = {}
+        self.handles: list[tuple[Future, int, Future, object]] = []  # the open files of `add`, by their task
 
     def add(self, path: Path) -> None:
-        """`path` (under root) is written and will not change: fsync and hash it in the background."""
+        """`path` (under root) is written and will not change: fsync and hash it in the background. It is opened
+        here, so the work follows the file if it is renamed (`rename`) before the work is done."""
         path = Path(path)
         if path not in self.pending:
-            self.pending[path] = (self.pool.submit(fsync_path, path), self.pool.submit(sha256_file, path))
+            f = open(path, "rb")
+            fd = os.dup(f.fileno())
+            synced, digest = self.pool.submit(_fsync_and_close, fd), self.pool.submit(_hash_and_close, f)
+            self.pending[path] = (synced, digest)
+            self.handles.append((synced, fd, digest, f))
+
+    def rename(self, path: Path, new: Path) -> None:
+        """Rename a file given to `add` (its fsync and hash carry on: they read the open file)."""
+        path, new = Path(path), Path(new)
+        os.replace(path, new)
+        if path in self.pending:
+            self.pending[new] = self.pending.pop(path)
 
     def files(self) -> dict[str, FileRecord]:
         """Every file under root except the manifest -> its sha256 and bytes, each fsynced (those not yet added
@@ -107,6 +120,24 @@ class Sealer:
     def close(self) -> None:
         """Stop: queued work is dropped, running work finishes (call before the directory is removed or renamed)."""
         self.pool.shutdown(wait=True, cancel_futures=True)
+        for synced, fd, digest, f in self.handles:  # a dropped task never closed its file
+            if synced.cancelled():
+                os.close(fd)
+            if digest.cancelled():
+                f.close()
+        self.handles = []
+
+
+def _fsync_and_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _hash_and_close(f) -> str:
+    with f:
+        return sha256_of(f)
 
 
 def write(root: Path, extras: Manifest, sealer: Sealer | None = None) -> Manifest:

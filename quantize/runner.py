@@ -8,7 +8,7 @@ import platform
 import subprocess
 import time
 from collections.abc import Callable
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -27,7 +27,7 @@ from .capture.device import check_kernels, configure_allocator
 from .capture.distributed import Dist
 from .capture.checkpoint import Checkpointer, fingerprint
 from .capture.job import DTYPES, Job, feature_names
-from .formats.pack import Packer
+from .export.stream import WeightStream
 from .methods.layer import is_skipped
 from .lock import output_lock
 from .paths import check_output_parent, child
@@ -255,9 +255,6 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool, runlog: RunL
         split_experts(model, pf.arch)  # one linear per expert: what vLLM reads (no-op for dense models)
         tied = tied_embeddings(model)
     jobs = [Job(r, pf.arch, set(p.convert), dtype, runlog=runlog, dist=dist) for r, p in zip(recipes, pf.plans)]
-    if device.type in PACK_DURING_PASS and (dist is None or dist.rank == 0):  # the writer packs layers as they end
-        for job in jobs:
-            job.packer = Packer(job.recipe, dtype, device)
     # once per run: git status is a subprocess
     provenance = {"versions": _versions(), "git": git_commit(), "cuda_allocator": pf.cuda_allocator}
     ckpt = _checkpointer(recipes, outs[0], pf, provenance)
@@ -266,27 +263,32 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool, runlog: RunL
         if ckpt is not None:
             log.info("checkpoints are not written with %d ranks: a killed run starts again", dist.world)
             ckpt = None
-    try:
+    with ExitStack() as opened:  # left on an error: each stream stopped, then its directory removed
+        if dist is None or dist.rank == 0:  # the rank that writes opens the artifacts before the pass fills them
+            drop = {"lm_head.weight"} if tied else set()
+            during = device.type in WRITE_DURING_PASS
+            for job, out in zip(jobs, outs):
+                directory = opened.enter_context(export.AtomicDir(out, force))
+                job.weights = opened.enter_context(closing(WeightStream(
+                    job, model, directory, dtype, drop, device, f"the checkpoint {pf.src.path}", during)))
         with timings.stage("quantize"):
             numerics, pass_seconds = run_shared(model, pf.arch, pf.samples, device, compute_dtype,
                                                 first.batch_size, feature_names(pf.arch), jobs, ckpt, runlog, dist)
         if dist is not None:  # rank 0 writes; the others wait for its outcome
-            written = dist.attempt(lambda: _write_all(recipes, jobs, pf, outs, model, timings, force, runlog, tied,
+            written = dist.attempt(lambda: _write_all(recipes, jobs, pf, outs, model, timings, runlog, tied,
                                                       storage_dtype, numerics, pass_seconds, provenance, ckpt)) \
                 if dist.rank == 0 else None
             return dist.share(0, written)
-        return _write_all(recipes, jobs, pf, outs, model, timings, force, runlog, tied, storage_dtype, numerics,
+        return _write_all(recipes, jobs, pf, outs, model, timings, runlog, tied, storage_dtype, numerics,
                           pass_seconds, provenance, ckpt)
-    finally:  # no packing thread outlives the run (a failed one included)
-        for job in jobs:
-            if job.packer is not None:
-                job.packer.close()
 
 
-PACK_DURING_PASS = {"cuda"}  # device types on which a worker packs each finished layer (`formats.pack.Packer`)
+# device types on which each layer's weights are packed and written while the pass goes on (`WeightStream`); on
+# the others at export, as a worker would take cores from the pass
+WRITE_DURING_PASS = {"cuda"}
 
 
-def _write_all(recipes, jobs, pf: Checked, outs: list[Path], model, timings: Timings, force: bool,
+def _write_all(recipes, jobs, pf: Checked, outs: list[Path], model, timings: Timings,
                runlog: RunLog | None, tied: bool, storage_dtype, numerics, pass_seconds, provenance,
                ckpt) -> list[Path]:
     """Every job's artifact, written in order -> their paths (the run's timings into runlog)."""
@@ -301,7 +303,7 @@ def _write_all(recipes, jobs, pf: Checked, outs: list[Path], model, timings: Tim
         stages = dict(timings.stages)
         if shared:
             stages["quantize"] = round(job.seconds, 3)
-        for k, v in write_artifact(job, the_plan, out, model, stages, force, run).items():
+        for k, v in write_artifact(job, the_plan, job.weights, model, stages, run).items():
             parts[k] = round(parts.get(k, 0.0) + v, 3)
     if ckpt is not None:
         ckpt.clear()  # every artifact is in place

@@ -44,7 +44,7 @@ class Job:
     seconds: float = 0.0
     runlog: RunLog | None = None  # receives each layer's method stage seconds
     dist: Dist | None = None  # several ranks share the work (`distributed`)
-    packer: object | None = None  # a `formats.pack.Packer`: packs each finished layer while the pass goes on
+    weights: object | None = None  # an `export.stream.WeightStream`: told when each layer is final
 
     @property
     def method(self) -> methods.Method:
@@ -97,8 +97,8 @@ class Job:
             full = f"{prefix}.{name}"
             if full.removesuffix(".weight") not in self.results:
                 self.overrides[full] = t.detach().to("cpu", copy=True)
-        if self.packer is not None:  # the layer's results are final now
-            self.packer.submit({k: r for k, r in self.results.items() if self._in(k, index, index + 1)})
+        if self.weights is not None:  # the layer's results and tensors are final now
+            self.weights.layer(index)
 
     def _in(self, name: str, lo: int, hi: int) -> bool:
         return any(name.startswith(layer_prefix(self.arch, i) + ".") for i in range(lo, hi))

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 
 from ..capture.job import Job
-from ..formats.pack import pack_all
+from .. import formats
 from ..preflight import deploy
 from ..records import Manifest
 from ..source import load as source
-from ..source.arch import checkpoint_name
 from . import capacity, modelcard, serve_config, write as export
+from .stream import WeightStream
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +43,11 @@ class RunRecord:
     provenance: dict  # versions, git, cuda_allocator
 
 
-def write_artifact(job: Job, the_plan, out: Path, model, stages: dict, force: bool,
-                   run: RunRecord) -> dict[str, float]:
-    """Pack one job's results and write its artifact directory atomically (timed into its manifest) -> the
-    seconds of export's parts: pack, state (the tensors gathered and checked finite), files (weights, config,
-    tokenizer), card (plots, model card, manifest record), seal (hashes, fsync, rename)."""
+def write_artifact(job: Job, the_plan, weights: WeightStream, model, stages: dict, run: RunRecord) -> dict[str, float]:
+    """Finish one job's artifact directory (`weights.directory`, its weights written by `weights` during the pass
+    or now) and commit it atomically (timed into its manifest) -> the seconds of export's parts: weights (what
+    was left of packing and writing them, NaN/inf refused), files (config, tokenizer), card (plots, model card,
+    manifest record), seal (hashes, fsync, rename)."""
     recipe = job.recipe
     t0 = time.perf_counter()
     errors = {str(k): v for k, v in job.errors.items()}
@@ -58,7 +58,7 @@ def write_artifact(job: Job, the_plan, out: Path, model, stages: dict, force: bo
     drawing = ThreadPoolExecutor(1, thread_name_prefix="plot") if errors and _cores() >= PLOT_THREAD_CORES else None
     plot = drawing.submit(modelcard.error_plot, recipe.name, errors) if drawing else None
     try:
-        return _write(job, the_plan, out, model, stages, force, run, t0, errors, plot)
+        return _write(job, the_plan, weights.directory, weights, model, stages, run, t0, errors, plot)
     finally:
         if drawing is not None:
             drawing.shutdown(wait=True)
@@ -71,34 +71,18 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _write(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run: RunRecord, t0: float,
-           errors: dict, plot: Future | None) -> dict[str, float]:
+def _write(job: Job, the_plan, directory: export.AtomicDir, weights: WeightStream, model, stages: dict,
+           run: RunRecord, t0: float, errors: dict, plot: Future | None) -> dict[str, float]:
     recipe = job.recipe
     parts: dict[str, float] = {}
-    drop = {"lm_head.weight"} if run.tied else set()
+    weights.finish()
+    qcfg = formats.get(recipe.out_format).quantization_config(recipe, list(the_plan.skipped))
+    parts["weights"] = time.perf_counter() - t0
 
-    def names(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {checkpoint_name(job.arch, k): t for k, t in d.items()}  # the names vLLM reads
-
-    # The unconverted tensors (embeddings, lm_head, norms: GBs read back from the checkpoint's pages) are gathered
-    # and checked for NaN/inf in a thread while the packed ones are made and brought to the host.
-    with ThreadPoolExecutor(1, thread_name_prefix="unconverted") as pool:
-        unconverted = pool.submit(lambda: names(export.unconverted_tensors(
-            model, set(job.results), run.dtype, drop, job.overrides)))
-        found = pool.submit(lambda: export.nonfinite(unconverted.result()))
-        ready = job.packer.packed() if job.packer is not None else None
-        packed, qcfg = pack_all(job.results, recipe, list(the_plan.skipped), run.dtype, run.device, ready)
-        t1 = time.perf_counter()
-        parts["pack"] = t1 - t0
-        converted = names(export.packed_tensors(packed, run.dtype))
-        tensors = {**unconverted.result(), **converted}
-        export.check_finite(converted, f"the checkpoint {run.src.path}", found.result())
-    parts["state"] = time.perf_counter() - t1
-
-    def fill(tmp: Path, sealer) -> Manifest:
+    def fill(tmp: Path) -> Manifest:
         t2 = time.perf_counter()
-        copied = export.write_model_dir(tmp, model, tensors, qcfg, run.dtype, run.src.path,
-                                        source.TOKENIZER_FILES, recipe.to_dict(), recipe.max_shard_size, sealer)
+        copied = export.write_model_dir(tmp, model, qcfg, run.dtype, run.src.path, source.TOKENIZER_FILES,
+                                        recipe.to_dict())
         t3 = time.perf_counter()
         parts["files"] = t3 - t2
         (tmp / "preflight.json").write_text(the_plan.to_json() + "\n")
@@ -113,7 +97,7 @@ def _write(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run:
                       "tie_word_embeddings": run.tied, "license": modelcard.source_license(run.src.path)},
             "calibration": run.calib_record,
             "quantized_modules": len(job.results),
-            "unconverted": sorted(n.removesuffix(".weight") for n in tensors if n.endswith(".weight")),
+            "unconverted": sorted(weights.unconverted),
             "copied_unchanged": copied,
             "notes": notes(run.tied, run.storage_dtype, run.dtype) + run.numerics,
             "skipped_linears": the_plan.skipped,
@@ -142,10 +126,10 @@ def _write(job: Job, the_plan, out: Path, model, stages: dict, force: bool, run:
         parts["card"] = time.perf_counter() - t3
         return extras
 
-    export.atomic_write_dir(out, fill, force=force)
+    directory.commit(fill(directory.tmp))
     parts["seal"] = time.perf_counter() - t0 - sum(parts.values())
     parts = {k: round(v, 3) for k, v in parts.items()}
-    log.info("wrote %s (%s); export: %s", out, ", ".join(f"{k} {v:.1f}s" for k, v in stages.items()),
+    log.info("wrote %s (%s); export: %s", directory.out, ", ".join(f"{k} {v:.1f}s" for k, v in stages.items()),
              ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()))
     return parts
 

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from huggingface_hub import split_torch_state_dict_into_shards
-from huggingface_hub.constants import SAFETENSORS_INDEX_FILE
+from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
 from safetensors.torch import save_file
 
 from ..errors import UserError
@@ -28,7 +27,6 @@ from .. import manifest
 from ..records import Manifest
 from ..files import fsync_path
 from ..preflight.checks import human_bytes
-from ..recipe import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -104,40 +102,83 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t if t.untyped_storage().nbytes() == _nbytes(t) else t.clone()
 
 
-def write_sharded(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int,
-                  on_written: Callable[[Path], object] | None = None) -> list[str]:
-    """Write safetensors shards (model.safetensors, or model-0000i-of-0000n + index) -> file names.
+class ShardWriter:
+    """Safetensors shards filled in the order tensors are added, each written by a thread as soon as it is full:
+    a caller that adds tensors as it makes them (`export.stream.WeightStream`, during the pass) has most of its
+    files written, hashed and synced by the time it calls `finish`.
 
-    huggingface_hub's splitter decides the shards: tensors in name order, a new shard when the next one would
-    pass max_shard_bytes, a tensor larger than that alone in a shard of its own. The index is its format
-    (`metadata.total_size`, `weight_map`), with the weight map in name order. on_written(path): called with each
-    shard once it is complete (`manifest.Sealer.add`).
+    The rule is huggingface_hub's splitter's (`split_torch_state_dict_into_shards`) over the tensors in the order
+    added: a new shard when the next tensor would pass max_shard_bytes, a tensor larger than that alone in a
+    shard of its own. Shards are written under hidden names and renamed by `finish` to model.safetensors (one
+    shard) or model-0000i-of-0000n.safetensors with the index (`metadata.total_size`, the weight map in name
+    order). on_written(path): called with each shard once it is complete (`manifest.Sealer.add`); rename(old,
+    new): how finish renames (`manifest.Sealer.rename`, whose work follows the file).
 
     Shards are written by parallel threads (safetensors writes without holding the GIL: two 600 MB shards took
-    1.55 s side by side against 2.94 s one after the other on a 2-core box); the first error is raised once every
-    shard's writer has stopped.
+    1.55 s side by side against 2.94 s one after the other on a 2-core box); `finish` raises the first shard's
+    error once every writer has stopped.
     """
-    tensors = {name: _own_storage(tensors[name]) for name in sorted(tensors)}
-    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_bytes)
 
-    def one(item: tuple[str, list[str]]) -> None:
-        fname, names = item
-        save_file({n: tensors[n] for n in names}, str(out / fname), metadata={"format": "pt"})
-        if on_written is not None:
-            on_written(out / fname)
+    def __init__(self, out: Path, max_shard_bytes: int, on_written: Callable[[Path], object] | None = None,
+                 rename: Callable[[Path, Path], object] = os.replace):
+        self.out, self.max, self.on_written, self.rename = Path(out), max_shard_bytes, on_written, rename
+        self.pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="shard")
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.shards: list[list[str]] = []  # tensor names of each shard, in shard order
+        self.futures: list = []
+        self.total = 0
 
-    shards = list(split.filename_to_tensors.items())
-    with ThreadPoolExecutor(max_workers=max(1, min(len(shards), 8, os.cpu_count() or 1)),
-                            thread_name_prefix="shard") as pool:
-        futures = [pool.submit(one, item) for item in shards]
-    for f in futures:
-        f.result()  # the first shard's error, in shard order
-    files = list(split.filename_to_tensors)
-    if not split.is_sharded:
-        return files
-    index = {"metadata": split.metadata, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
-    (out / SAFETENSORS_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return [*files, SAFETENSORS_INDEX_FILE]
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Append tensors (in this order) to the shards."""
+        for name, t in tensors.items():
+            t = _own_storage(t)
+            n = _nbytes(t)
+            self.total += n
+            if n > self.max:
+                self._flush({name: t})
+                continue
+            if self.current and self.current_bytes + n > self.max:
+                self._flush(self.current)
+                self.current, self.current_bytes = {}, 0
+            self.current[name] = t
+            self.current_bytes += n
+
+    def _part(self, i: int) -> Path:
+        return self.out / f".shard-{i:05d}.safetensors"
+
+    def _flush(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.shards.append(list(tensors))
+        self.futures.append(self.pool.submit(self._write, dict(tensors), self._part(len(self.shards))))
+
+    def _write(self, tensors: dict[str, torch.Tensor], path: Path) -> None:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        if self.on_written is not None:
+            self.on_written(path)
+
+    def finish(self) -> list[str]:
+        """Write what is left, wait for every shard, name them, write the index -> the file names."""
+        if self.current or not self.shards:
+            self._flush(self.current)
+            self.current, self.current_bytes = {}, 0
+        self.close()
+        for f in self.futures:
+            f.result()  # the first shard's error, in shard order
+        n = len(self.shards)
+        files = [SAFETENSORS_SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors"
+                                                           for i in range(1, n + 1)]
+        for i, fname in enumerate(files, 1):
+            self.rename(self._part(i), self.out / fname)
+        if n == 1:
+            return files
+        weight_map = {name: fname for fname, names in zip(files, self.shards) for name in names}
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out / SAFETENSORS_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return [*files, SAFETENSORS_INDEX_FILE]
+
+    def close(self) -> None:
+        """Stop taking work; running writes finish (call before the directory is removed)."""
+        self.pool.shutdown(wait=True)
 
 
 def _readable(root: Path) -> None:
@@ -154,43 +195,70 @@ def temp_name(out: Path) -> str:
     return f".{out.name}.tmp-*"
 
 
-def atomic_write_dir(out: Path, fill: Callable[[Path, manifest.Sealer], Manifest], force: bool = False) -> Path:
-    """Call fill(tmp_dir, sealer) -> the manifest but its files; add file hashes; fsync; rename tmp_dir to `out`.
-    fill may hand the sealer each large file as soon as it is final, to be hashed and fsynced meanwhile.
+class AtomicDir:
+    """An artifact directory written in a temporary sibling and renamed into place once complete. Opened before
+    the work that fills it (the weights are written while the pass computes them: `WeightStream`); `commit`
+    seals it, `abort` (or leaving the `with` block without a commit) removes it.
 
     On any failure (an interrupt included) the temporary directory is removed and a previous `out` is in place;
     a full disk raises DiskFullError, another refused write or rename ExportError, each saying so.
     """
-    out = Path(out)
-    if out.exists() and not force:
-        raise OutputExistsError(f"output {out} already exists; remove it or pass --force (make ... FORCE=1)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / temp_name(out).replace("*", uuid.uuid4().hex[:8])
-    tmp.mkdir()
-    sealer = manifest.Sealer(tmp)
-    try:
-        extras = fill(tmp, sealer)
-        manifest.write(tmp, extras, sealer)
-        sealer.close()
-        _readable(tmp)
-        for p in [tmp / manifest.MANIFEST, *(d for d in tmp.rglob("*") if d.is_dir()), tmp]:
-            fsync_path(p)
-        _swap_in(tmp, out)
-    except BaseException as e:
-        sealer.close()  # no thread still reads a file of tmp
-        written = _tree_bytes(tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, (ExportError, DiskFullError)):
+
+    def __init__(self, out: Path, force: bool = False):
+        out = Path(out)
+        if out.exists() and not force:
+            raise OutputExistsError(f"output {out} already exists; remove it or pass --force (make ... FORCE=1)")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.out = out
+        self.tmp = out.parent / temp_name(out).replace("*", uuid.uuid4().hex[:8])
+        self.tmp.mkdir()
+        self.sealer = manifest.Sealer(self.tmp)
+        self.done = False
+
+    def __enter__(self) -> "AtomicDir":
+        return self
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if not self.done:
+            mapped = self.abort(e)
+            if mapped is not None and mapped is not e:
+                raise mapped from e
+        return False  # e itself goes on
+
+    def commit(self, extras: Manifest) -> Path:
+        """Hash (those not hashed yet) and fsync every file, write the manifest, rename the directory to `out`."""
+        try:
+            manifest.write(self.tmp, extras, self.sealer)
+            self.sealer.close()
+            _readable(self.tmp)
+            for p in [self.tmp / manifest.MANIFEST, *(d for d in self.tmp.rglob("*") if d.is_dir()), self.tmp]:
+                fsync_path(p)
+            _swap_in(self.tmp, self.out)
+        except BaseException as e:
+            mapped = self.abort(e)
+            if mapped is not e:
+                raise mapped from e
             raise
+        self.done = True
+        return self.out
+
+    def abort(self, e: BaseException | None = None) -> BaseException | None:
+        """Remove the temporary directory -> the error a user reads for `e` (a full disk, another OSError: each
+        saying so) or `e` itself."""
+        self.done = True
+        self.sealer.close()  # no thread still reads a file of tmp
+        written = _tree_bytes(self.tmp)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if e is None or isinstance(e, (ExportError, DiskFullError)):
+            return e
         code = disk_full_errno(e)
         if code is not None:
-            raise _disk_full(out, written, code) from e
+            return _disk_full(self.out, written, code)
         if isinstance(e, OSError):
-            raise ExportError(f"writing the artifact {out} failed: {e}; the partial files were removed and "
-                              f"{_state(out)}. Fix the cause (permissions, the disk) or write elsewhere with --out "
-                              f"DIR, then rerun") from e
-        raise
-    return out
+            return ExportError(f"writing the artifact {self.out} failed: {e}; the partial files were removed and "
+                               f"{_state(self.out)}. Fix the cause (permissions, the disk) or write elsewhere with "
+                               f"--out DIR, then rerun")
+        return e
 
 
 def _swap_in(tmp: Path, out: Path) -> None:
@@ -271,34 +339,10 @@ def _disk_full(out: Path, written: int, code: int) -> DiskFullError:
         f"free there now: free more space on that disk or write elsewhere with --out DIR, then rerun")
 
 
-def unconverted_tensors(model, converted: set[str], dtype: torch.dtype, drop: set[str],
-                        overrides: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The model's tensors an artifact writes as they are: all but the `.weight` of each converted module and
-    the names in `drop` (tied lm_head), floating ones cast to `dtype`, on the CPU. overrides: tensor name ->
-    value replacing the model's (what a method changed in a copy of a layer)."""
-    overrides = overrides or {}
-    out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
-        if name in drop or (name.endswith(".weight") and name.removesuffix(".weight") in converted):
-            continue
-        t = overrides.get(name, t)
-        out[name] = t.detach().to("cpu", dtype) if t.is_floating_point() else t.detach().cpu()
-    return out
-
-
-def packed_tensors(packed: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """module name -> {tensor suffix: packed tensor} -> "module.suffix" -> tensor, floating ones (scales) cast to
-    `dtype`, integer ones as they are. With `unconverted_tensors`, every tensor of an artifact."""
-    return {f"{module}.{suffix}": t.to(dtype) if t.is_floating_point() else t
-            for module, d in packed.items() for suffix, t in d.items()}
-
-
-def write_model_dir(tmp: Path, model, tensors: dict[str, torch.Tensor], quantization_config: dict,
-                    dtype: torch.dtype, source_dir: Path, copy_files: tuple[str, ...], recipe_dict: dict,
-                    max_shard_size: str, sealer: manifest.Sealer | None = None) -> list[str]:
-    """Fill an artifact directory: weights, config.json, tokenizer files, recipe.yaml -> files copied. sealer:
-    each weight shard is handed to it once written."""
-    write_sharded(tensors, tmp, parse_size(max_shard_size), None if sealer is None else sealer.add)
+def write_model_dir(tmp: Path, model, quantization_config: dict, dtype: torch.dtype, source_dir: Path,
+                    copy_files: tuple[str, ...], recipe_dict: dict) -> list[str]:
+    """Fill an artifact directory beside its weights (`stream.WeightStream`): config.json, tokenizer files,
+    recipe.yaml -> the files copied."""
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["quantization_config"] = quantization_config

@@ -171,15 +171,15 @@ def test_debug_shows_the_traceback(tiny_llama, tmp_path):
 DRIVER = """
 import sys, time
 from pipeline import cli
-from quantize.export import write as export
-real = export.write_sharded
+from quantize.export.stream import WeightStream
+real = WeightStream.finish
 def slow(*a, **k):
     names = real(*a, **k)
     print("exporting", flush=True)
     for _ in range(1200):
         time.sleep(0.1)
     return names
-export.write_sharded = slow
+WeightStream.finish = slow
 sys.exit(cli.main(sys.argv[1:]))
 """
 

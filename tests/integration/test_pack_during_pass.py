@@ -1,74 +1,75 @@
-"""Packing each layer while the pass goes on (`formats.pack.Packer`) writes the bytes export's own packing writes."""
+"""The weights written while the pass goes on (`export.stream.WeightStream`, as runs on CUDA do) are the bytes
+written at export (as on a CPU): each layer is handed to the writer as soon as its job keeps it."""
 
 import json
 
 import pytest
-import torch
+from safetensors import safe_open
 
 from quantize import runner
-from quantize.formats.pack import Packer, pack_all
-from quantize.methods.layer import QuantResult
+from quantize.capture.job import Job
 from quantize.recipe import load_recipe
 from tests.conftest import tiny_recipe
 
 
-def _weights(artifact):
+def _files(artifact):
     m = json.loads((artifact / "manifest.json").read_text())
-    return {f: r["sha256"] for f, r in m["files"].items() if f.endswith(".safetensors")}
+    return {f: r["sha256"] for f, r in m["files"].items() if "safetensors" in f}
 
 
-def test_a_run_packing_during_the_pass_writes_the_same_artifact(tiny_qwen2, tmp_path, monkeypatch):
-    """AWQ, GPTQ (compressed-tensors) and RTN in one shared pass, once packed at export and once by a worker per
-    layer (enabled on the CPU here; runs enable it on CUDA): every weight file is the same."""
-    recipes = [tiny_recipe(tmp_path, tiny_qwen2, name="p-awq"),
-               tiny_recipe(tmp_path, tiny_qwen2, name="p-gptq", method="gptq", format="compressed-tensors"),
-               tiny_recipe(tmp_path, tiny_qwen2, name="p-rtn", method="rtn")]
-    monkeypatch.setattr(runner, "PACK_DURING_PASS", set())
-    at_export = runner.run_many([load_recipe(r) for r in recipes], tmp_path / "at-export")
-    submitted = []
-    real = Packer.submit
-    monkeypatch.setattr(Packer, "submit", lambda self, results: submitted.append(sorted(results))
-                        or real(self, results))
-    monkeypatch.setattr(runner, "PACK_DURING_PASS", {"cpu"})
-    during = runner.run_many([load_recipe(r) for r in recipes], tmp_path / "during")
+def _run(recipes, out, monkeypatch, during: bool, queued: list | None = None):
+    monkeypatch.setattr(runner, "WRITE_DURING_PASS", {"cpu"} if during else set())
+    if queued is not None:
+        real = Job.keep
+
+        def keep(self, index, layer):
+            real(self, index, layer)
+            queued.append((self.recipe.name, index, len(self.weights.futures)))
+        monkeypatch.setattr(Job, "keep", keep)
+    return runner.run_many([load_recipe(r) for r in recipes], out)
+
+
+@pytest.mark.parametrize("shard", [None, "300KB"], ids=["one-file", "shards"])
+def test_weights_written_during_the_pass_are_the_bytes_written_at_export(tiny_qwen2, tmp_path, monkeypatch, shard):
+    """AWQ (Qwen2's q/k/v biases rescaled), GPTQ in compressed-tensors and RTN in one shared pass, each layer
+    written as it ends against all at export: every weight file and the index are the same."""
+    extra = {"max_shard_size": shard} if shard else {}
+    recipes = [tiny_recipe(tmp_path, tiny_qwen2, name="p-awq", **extra),
+               tiny_recipe(tmp_path, tiny_qwen2, name="p-gptq", method="gptq", format="compressed-tensors", **extra),
+               tiny_recipe(tmp_path, tiny_qwen2, name="p-rtn", method="rtn", **extra)]
+    at_export = _run(recipes, tmp_path / "at-export", monkeypatch, during=False)
+    queued = []
+    during = _run(recipes, tmp_path / "during", monkeypatch, during=True, queued=queued)
     for a, b in zip(at_export, during):
-        assert _weights(a) == _weights(b) and _weights(a), a.name
-    # one submission per job per layer (2 layers), each holding that layer's converted linears only
-    assert len(submitted) == 3 * 2
-    for names in submitted:
-        layer = {n.split(".")[2] for n in names}
-        assert len(layer) == 1 and len(names) == 7, names
+        assert _files(a) == _files(b) and _files(a), a.name
+        if shard:
+            assert len(_files(a)) > 2  # several shards and the index
+    # the tensors outside the layers at the start, then each layer when kept: 1 + (index + 1) groups queued
+    assert queued == [(r.stem, i, i + 2) for i in range(2) for r in recipes]
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq", "compressed-tensors"])
-def test_packer_gives_pack_alls_tensors(fmt, tmp_path, tiny_llama):
-    recipe = load_recipe(tiny_recipe(tmp_path, tiny_llama, name=f"k-{fmt}", format=fmt,
-                                     **{"awq": {}, "gptq": {"method": "gptq", "zero_point": False},
-                                        "compressed-tensors": {"method": "gptq"}}[fmt]))
-    g = torch.Generator().manual_seed(0)
-    results = {f"m{i}": QuantResult(torch.randint(0, 16, (64, 128), dtype=torch.uint8, generator=g),
-                                    torch.rand(64, 2, generator=g, dtype=torch.float32) + 0.1,
-                                    torch.randint(0, 16, (64, 2), dtype=torch.int32, generator=g))
-               for i in range(3)}
-    packer = Packer(recipe, torch.float16, torch.device("cpu"))
-    packer.submit({k: results[k] for k in ("m0", "m1")})
-    packer.submit({"m2": results["m2"]})
-    ready = packer.packed()
-    assert sorted(ready) == ["m0", "m1", "m2"]
-    want, _ = pack_all(results, recipe, [], torch.float16)
-    got, _ = pack_all(results, recipe, [], torch.float16, ready=ready)
-    for m in results:
-        assert got[m] is ready[m]
-        assert want[m].keys() == got[m].keys()
-        for k in want[m]:
-            assert want[m][k].dtype == got[m][k].dtype and torch.equal(want[m][k], got[m][k]), (m, k)
+def test_shards_follow_the_pass_order(tiny_qwen2, tmp_path, monkeypatch):
+    """The embeddings, final norm and lm_head come first, then the layers in order: a layer's tensors are never in
+    a shard before an earlier layer's, and every tensor of the checkpoint is in the index once."""
+    recipe = tiny_recipe(tmp_path, tiny_qwen2, name="order", max_shard_size="200KB")
+    out = _run([recipe], tmp_path / "a", monkeypatch, during=True)[0]
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    shard_no = {n: int(f.split("-")[1]) for n, f in index.items()}
 
-
-def test_a_packing_error_is_raised_at_export_and_the_worker_stops(tmp_path, tiny_llama):
-    recipe = load_recipe(tiny_recipe(tmp_path, tiny_llama, name="k-bad"))
-    packer = Packer(recipe, torch.float16, torch.device("cpu"))
-    bad = QuantResult(None, torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int32))  # no codes: packing fails
-    packer.submit({"bad": bad})
-    with pytest.raises(AttributeError):
-        packer.packed()
-    assert packer.pool._shutdown
+    def group(name):
+        parts = name.split(".")
+        return int(parts[2]) if name.startswith("model.layers.") else -1
+    by_group = {}
+    for n, s in shard_no.items():
+        by_group.setdefault(group(n), []).append(s)
+    groups = sorted(by_group)
+    assert groups == [-1, 0, 1]
+    for g, h in zip(groups, groups[1:]):
+        assert max(by_group[g]) <= min(by_group[h]), (g, h)
+    seen = set()
+    for fname in sorted(set(index.values())):
+        with safe_open(str(out / fname), "pt") as f:
+            keys = set(f.keys())
+        assert not keys & seen and all(index[k] == fname for k in keys)
+        seen |= keys
+    assert seen == set(index)

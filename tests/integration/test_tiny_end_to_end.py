@@ -92,11 +92,14 @@ def test_existing_output_refused_and_untouched(llama_artifact, tiny_llama, tmp_p
     assert (llama_artifact / "manifest.json").read_bytes() == before
 
 
-def test_failure_during_export_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("during_pass", [False, True], ids=["at-export", "during-the-pass"])
+def test_failure_during_export_leaves_nothing(tiny_llama, tmp_path, monkeypatch, during_pass):
+    """A shard write that fails, at export or while the pass writes layers (as on CUDA), removes everything."""
     def boom(*a, **k):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(export, "write_sharded", boom)
+    monkeypatch.setattr(export, "save_file", boom)
+    monkeypatch.setattr(runner, "WRITE_DURING_PASS", {"cpu"} if during_pass else set())
     with pytest.raises(OSError, match="No space"):
         # no resume checkpoint: on a slow box one would be saved (and kept, by design) after a layer
         runner.run(tiny_recipe(tmp_path, tiny_llama, checkpoint_every_s=None), out_root=tmp_path / "artifacts")

@@ -1,5 +1,5 @@
-"""Sharded export: the shards huggingface_hub's splitter picks, an index that maps every tensor, and the tensors
-read back equal the way vLLM reads a checkpoint (the index's files, each opened with safetensors)."""
+"""Sharded export: the shards `ShardWriter` fills by huggingface_hub's rule, an index that maps every tensor, and
+the tensors read back equal the way vLLM reads a checkpoint (the index's files, each opened with safetensors)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,33 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quantize.export.write import write_sharded
+from quantize.export.write import ShardWriter
 
 INDEX = "model.safetensors.index.json"
 SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+
+
+def write_sharded(tensors: dict[str, torch.Tensor], out: Path, max_bytes: int) -> list[str]:
+    """The tensors in name order through one ShardWriter (the order a single group is written in)."""
+    writer = ShardWriter(out, max_bytes)
+    writer.add({n: tensors[n] for n in sorted(tensors)})
+    return writer.finish()
+
+
+def test_groups_added_in_order_fill_shards_in_that_order(tmp_path):
+    """Tensors added group by group (as `WeightStream` adds the pass's layers) fill the shards in the order added,
+    not in name order; each full shard is written (and handed on) before `finish`."""
+    written = []
+    writer = ShardWriter(tmp_path, 250, on_written=lambda p: written.append(p.name))
+    writer.add({"z.b": torch.ones(25), "z.a": torch.ones(25)})  # 100 bytes each
+    writer.add({"a.a": torch.ones(25), "a.b": torch.ones(25)})  # a.a would pass 250: z.b z.a | a.a a.b
+    writer.futures[0].result()  # the full shard has been written
+    assert written == [".shard-00001.safetensors"]
+    files = writer.finish()
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX]
+    index = json.loads((tmp_path / INDEX).read_text())["weight_map"]
+    assert index == {"a.a": files[1], "a.b": files[1], "z.a": files[0], "z.b": files[0]}  # not name order
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)
 
 
 def tiny_state_dict() -> dict[str, torch.Tensor]:
@@ -67,7 +90,7 @@ def test_tiny_model_in_several_shards_reads_back_equal(tmp_path):
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
 
     # no tensor is over the limit, so the shards are runs of the sorted names, each filled until the next
-    # tensor would pass the limit (the layout of the writer this one replaced, byte for byte)
+    # tensor would pass the limit (huggingface_hub's layout for tensors in name order)
     names = sorted(sd)
     assert [SHARD.fullmatch(where[n]).group(1) for n in names] == sorted(SHARD.fullmatch(where[n]).group(1)
                                                                          for n in names)
