@@ -103,6 +103,18 @@ def test_packages_installed_with_their_bytecode_are_read_as_they_are(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
+def test_packages_that_carry_part_of_their_bytecode_get_the_cache(tmp_path):
+    """An image whose packages carry bytecode for some files only: the cache is used, and every listed file is
+    compiled into it, since once a cache is set Python reads no bytecode beside the sources."""
+    lib = _sources(tmp_path, 1)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+    for f in ("mod_a.py", "pkg_b/__init__.py"):  # 2 of the 3 listed
+        subprocess.run([sys.executable, "-m", "py_compile", str(lib / f)], check=True, env=env)
+    got = _child(lib, tmp_path / "cache", ["mod_a.py", "pkg_b/__init__.py", "pkg_b/inner.py"])
+    assert got["prepared"] == [str(tmp_path / "cache" / "bytecode"), 3, 0, 3]
+    assert got["values"] == [1, 1]
+
+
 def test_a_setting_that_is_neither_on_nor_off_stops_the_command(monkeypatch, capsys):
     from pipeline.__main__ import main
 
