@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Two trees of this repository on one GPU host, interleaved: `bench/bench_ours.py` (eval off, the bench recipes
+# at g128) on one Qwen2.5-7B-shaped random-init checkpoint, each run a fresh process timed from interpreter start;
+# then each method's last artifacts of the two trees compared tensor by tensor (bench/diff_artifacts.py).
+#
+#   OTHER=/path/to/other/tree OUT=/some/dir bash bench/gpu_tree_ab.sh      # on the GPU host, from this tree's root
+#
+# RUNS: the order, as tree:method words (tree: this or other; method: gptq or awq; default below).
+# $OUT gets ab.json (every run's bench record, the diffs) and ab.tar.gz (the runs' logs); the artifacts are
+# removed once compared (a 7B checkpoint plus four artifacts fill most of the GPU host's disk).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+OTHER=${OTHER:?set OTHER to the other tree}
+OUT=${OUT:-/tmp/gpu-tree-ab}
+WORK=${WORK:-/tmp/gpu-tree-ab-work}
+RUNS=${RUNS:-"this:gptq other:gptq this:gptq other:gptq this:awq other:awq this:awq"}
+PY=${PY:-python3}
+mkdir -p "$OUT" "$WORK/r" "$WORK/logs" "$WORK/json"
+if [ -d .whl ]; then
+    $PY -c "import sys; sys.path.insert(0, '.'); from pathlib import Path; from bench.gpu_bench import install_wheels; install_wheels(Path('.whl'), Path('$WORK/site'))"
+    export PYTHONPATH="$WORK/site"
+fi
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 QUANTIZE_CACHE_DIR="$WORK/cache"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$PY bench/build_checkpoint.py --config bench/configs/qwen2.5-7b --out "$WORK/ckpt/qwen2.5-7b" --device cuda | tail -1
+n=0
+for item in $RUNS; do
+    tree=${item%%:*}; method=${item#*:}; n=$((n + 1))
+    case "$tree" in this) dir=$ROOT;; other) dir=$OTHER;; *) echo "error: RUNS names tree '$tree'; use this or other" >&2; exit 2;; esac
+    recipe="$WORK/r/bench-$method.yaml"
+    printf 'name: bench-%s\nbase: %s\nmodel: %s\ndevice: cuda\ncalibration: {n_samples: 128, seq_len: 512}\n' \
+        "$method" "$dir/bench/recipes/bench-$method-g128.yaml" "$WORK/ckpt/qwen2.5-7b" > "$recipe"
+    (cd "$dir" && $PY bench/bench_ours.py "$recipe" --out-root "$WORK/art-$tree" \
+        --json "$WORK/json/$n-$tree-$method.json" > "$WORK/logs/$n-$tree-$method.log" 2>&1)
+    echo "run $n $tree $method: exit $? $(grep -o '"process_s": [0-9.]*' "$WORK/json/$n-$tree-$method.json" 2>/dev/null)"
+done
+for method in gptq awq; do
+    if [ -d "$WORK/art-this/bench-$method" ] && [ -d "$WORK/art-other/bench-$method" ]; then
+        $PY bench/diff_artifacts.py "$WORK/art-other/bench-$method" "$WORK/art-this/bench-$method" \
+            --json "$WORK/json/diff-$method.json" > /dev/null && echo "diff $method: $(tr -d '\n ' < "$WORK/json/diff-$method.json" | head -c 600)"
+    fi
+done
+$PY - "$WORK/json" "$OUT/ab.json" <<'EOF'
+import json, sys
+from pathlib import Path
+src, out = Path(sys.argv[1]), Path(sys.argv[2])
+runs = {p.stem: json.loads(p.read_text()) for p in sorted(src.glob("*.json"), key=lambda p: p.stem)}
+for k, r in runs.items():
+    if "stages_s" in r:
+        print(k, "process", r["process_s"], "stages", r["stages_s"], "export parts", r["runlog"].get("export_parts"))
+out.write_text(json.dumps(runs, indent=1) + "\n")
+EOF
+tar -czf "$OUT/ab.tar.gz" -C "$WORK" logs
+rm -rf "$WORK/art-this" "$WORK/art-other"
