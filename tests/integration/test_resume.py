@@ -179,3 +179,23 @@ def test_disk_full_while_saving_a_checkpoint(deep_qwen2, tmp_path, monkeypatch, 
         assert cli.main(["run", str(recipe), "--out", str(tmp_path / "o"), "--no-eval"]) == 0
     assert f"resuming from checkpoint {ckpt}: layers 1-1 already done" in caplog.text
     assert (tmp_path / "o" / "full" / "model.safetensors").is_file() and not ckpt.exists()
+
+
+def test_a_resumed_run_that_writes_during_the_pass_writes_the_restored_layers_too(deep_qwen2, tmp_path, monkeypatch,
+                                                                                   caplog):
+    """Weights written while the pass runs (as on CUDA; forced on the CPU here): the crashed run's half-written
+    directory is removed, and the resumed run writes the layers it restored before the ones it computes, so its
+    shards equal a clean run's written at export."""
+    recipe = tiny_recipe(tmp_path, deep_qwen2, name="wdp", checkpoint_every_s=0, max_shard_size="300KB",
+                         awq=dict(n_grid=2, clip_grid=2))
+    monkeypatch.setattr(runner, "WRITE_DURING_PASS", {"cpu"})
+    _crash_after_layer_4(monkeypatch, recipe, tmp_path / "o")
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [".wdp.checkpoint"]  # no temporary directory left
+    with caplog.at_level("INFO"):
+        got = runner.run(recipe, out_root=tmp_path / "o")
+    assert "resuming from checkpoint" in caplog.text
+    monkeypatch.setattr(runner, "WRITE_DURING_PASS", set())
+    clean = runner.run(recipe, out_root=tmp_path / "clean")
+    shards = sorted(p.name for p in clean.glob("model*"))
+    assert len(shards) > 2 and shards == sorted(p.name for p in got.glob("model*"))
+    assert all((got / s).read_bytes() == (clean / s).read_bytes() for s in shards)
