@@ -58,7 +58,7 @@ def write_artifact(job: Job, the_plan, weights: WeightStream, model, stages: dic
     drawing = ThreadPoolExecutor(1, thread_name_prefix="plot") if errors and _cores() >= PLOT_THREAD_CORES else None
     plot = drawing.submit(modelcard.error_plot, recipe.name, errors) if drawing else None
     try:
-        return _write(job, the_plan, weights.directory, weights, model, stages, run, t0, errors, plot)
+        return _write(job, the_plan, weights, model, stages, run, t0, errors, plot)
     finally:
         if drawing is not None:
             drawing.shutdown(wait=True)
@@ -71,9 +71,9 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _write(job: Job, the_plan, directory: export.AtomicDir, weights: WeightStream, model, stages: dict,
-           run: RunRecord, t0: float, errors: dict, plot: Future | None) -> dict[str, float]:
-    recipe = job.recipe
+def _write(job: Job, the_plan, weights: WeightStream, model, stages: dict, run: RunRecord, t0: float,
+           errors: dict, plot: Future | None) -> dict[str, float]:
+    recipe, directory = job.recipe, weights.directory
     parts: dict[str, float] = {}
     weights.finish()
     qcfg = formats.get(recipe.out_format).quantization_config(recipe, list(the_plan.skipped))

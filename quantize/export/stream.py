@@ -82,8 +82,7 @@ class WeightStream:
     def _queue(self, last: int) -> None:
         while self.next <= last:
             i, self.next = self.next, self.next + 1
-            results = {m: self.job.results[m] for m in sorted(self.modules[i])}
-            overrides = {n: self.job.overrides[n] for n in self.groups[i] if n in self.job.overrides}
+            results, overrides = self._inputs(i)
             staged, copied = None, None
             if self.staged:  # packed here, on the pass's stream, and copied to pinned host memory without waiting
                 staged = {m: {k: _to_pinned(t) for k, t in self._pack_here(r).items()} for m, r in results.items()}
@@ -91,6 +90,11 @@ class WeightStream:
                 copied.record()
                 results = {}
             self.futures.append(self.pool.submit(self._write, i, results, overrides, staged, copied))
+
+    def _inputs(self, i: int) -> tuple[dict, dict]:
+        """Group i's converted linears' results and the tensors its job left (`Job.overrides`)."""
+        return ({m: self.job.results[m] for m in sorted(self.modules[i])},
+                {n: self.job.overrides[n] for n in self.groups[i] if n in self.job.overrides})
 
     def _write(self, i: int, results: dict, overrides: dict, staged: dict | None, copied) -> None:
         self.writer.add(self._tensors(i, results, overrides, staged, copied))
@@ -131,8 +135,7 @@ class WeightStream:
         self.next = self.layers
         if not groups:
             return
-        args = [(i, {m: self.job.results[m] for m in sorted(self.modules[i])},
-                 {n: self.job.overrides[n] for n in self.groups[i] if n in self.job.overrides}) for i in groups]
+        args = [(i, *self._inputs(i)) for i in groups]
         # on CUDA one thread: `on_device` brings packed tensors to the host through one pinned buffer
         threads = 1 if self.device.type == "cuda" else max(1, min(len(groups), os.cpu_count() or 1))
         with ThreadPoolExecutor(threads, thread_name_prefix="weights") as pool:
