@@ -50,3 +50,12 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
 def atomic_write_text(path: Path, text: str) -> None:
     """`atomic_write` of UTF-8 text."""
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one, as a container or taskset sets
+    it), which is what a pool of threads or processes should be sized by; os.cpu_count() counts the host's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

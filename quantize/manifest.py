@@ -17,7 +17,7 @@ from typing import TypeVar
 from pydantic import ValidationError
 
 from .errors import UserError
-from .files import atomic_write_text, fsync_path, sha256_file, sha256_of
+from .files import atomic_write_text, fsync_path, sha256_file, sha256_of, usable_cores
 from .records import FileRecord, Manifest, Record, Report, ReportHashes, Seal
 
 R = TypeVar("R", bound=Record)
@@ -82,7 +82,7 @@ class Sealer:
 
     def __init__(self, root: Path):
         self.root = Path(root)
-        self.pool = ThreadPoolExecutor(max_workers=min(16, 2 * (os.cpu_count() or 1)), thread_name_prefix="seal")
+        self.pool = ThreadPoolExecutor(max_workers=min(16, 2 * usable_cores()), thread_name_prefix="seal")
         self.pending: dict[Path, tuple[Future, Future]] = {}
         self.handles: list[tuple[Future, int, Future, object]] = []  # the open files of `add`, by their task
 
@@ -199,7 +199,7 @@ def verify(path: Path) -> bool:
     inside = {n for n in expected if not (Path(n).is_absolute() or ".." in Path(n).parts
                                           or base not in (root / n).resolve().parents)}
     regular = sorted(n for n in inside if not (root / n).is_symlink() and (root / n).is_file())
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # shards in parallel: GBs each
+    with ThreadPoolExecutor(max_workers=min(8, usable_cores())) as pool:  # shards in parallel: GBs each
         actual = dict(zip(regular, pool.map(lambda n: sha256_file(root / n), regular)))
     for name, sha in sorted(expected.items()):
         if name not in inside:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from ..capture.job import Job
+from ..files import usable_cores
 from .. import formats
 from ..preflight import deploy
 from ..records import Manifest
@@ -55,7 +55,7 @@ def write_artifact(job: Job, the_plan, weights: WeightStream, model, stages: dic
     # written (H200 host: importing matplotlib took 1.2 s there, warm, and its first use on a fresh machine builds
     # a font cache). On a host of fewer cores it waits for the weights: beside the packing threads of a 2-core
     # host it slowed export (3.2 -> 4.3 s, default recipe).
-    drawing = ThreadPoolExecutor(1, thread_name_prefix="plot") if errors and _cores() >= PLOT_THREAD_CORES else None
+    drawing = ThreadPoolExecutor(1, thread_name_prefix="plot") if errors and usable_cores() >= PLOT_THREAD_CORES else None
     plot = drawing.submit(modelcard.error_plot, recipe.name, errors) if drawing else None
     try:
         return _write(job, the_plan, weights, model, stages, run, t0, errors, plot)
@@ -65,10 +65,6 @@ def write_artifact(job: Job, the_plan, weights: WeightStream, model, stages: dic
 
 
 PLOT_THREAD_CORES = 4  # the error plot is drawn beside the weights' packing on hosts with at least this many cores
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _write(job: Job, the_plan, weights: WeightStream, model, stages: dict, run: RunRecord, t0: float,

@@ -13,12 +13,12 @@ the pass: the bytes are the same either way, and the shard boundaries follow the
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from .. import formats
+from ..files import usable_cores
 from ..formats.pack import on_device
 from ..recipe import parse_size
 from ..source.arch import checkpoint_name, decoder_layers, layer_prefix
@@ -45,9 +45,11 @@ class WeightStream:
         self.device = device
         # on CUDA during the pass the pass's own thread packs (a few launches a layer, on its stream: a second
         # stream and thread doing it took the GIL and fresh device memory just as the next layer started, which
-        # slowed that start more than packing costs); elsewhere the worker packs, on the device
+        # slowed that start more than packing costs) and leaves the result on the device for the pinned copy;
+        # elsewhere the worker packs on the device and gets host tensors back
         self.staged = device.type == "cuda" and during_pass
-        self.pack = fmt.pack if self.staged else on_device(device, fmt.pack)
+        self.pack_on_device = fmt.pack
+        self.pack_to_host = on_device(device, fmt.pack)
         self.writer = ShardWriter(directory.tmp, parse_size(recipe.max_shard_size), directory.sealer.add,
                                   directory.sealer.rename)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="weights")
@@ -101,7 +103,7 @@ class WeightStream:
 
     def _pack_here(self, r) -> dict[str, torch.Tensor]:
         d = self.device
-        return self.pack(r.codes.to(d), r.scales.to(d, self.dtype), r.zeros.to(d), *self.args)
+        return self.pack_on_device(r.codes.to(d), r.scales.to(d, self.dtype), r.zeros.to(d), *self.args)
 
     def _tensors(self, i: int, results: dict, overrides: dict, staged: dict | None, copied) -> dict:
         """Group i's tensors as the artifact holds them, in name order (non-finite ones noted in `found`)."""
@@ -110,7 +112,8 @@ class WeightStream:
             packed = {m: {k: _to_pageable(t) for k, t in d.items()} for m, d in staged.items()}
             del staged  # the pinned blocks go back to torch's host cache for the next layers
         else:
-            packed = {m: self.pack(r.codes, r.scales.to(self.dtype), r.zeros, *self.args) for m, r in results.items()}
+            packed = {m: self.pack_to_host(r.codes, r.scales.to(self.dtype), r.zeros, *self.args)
+                      for m, r in results.items()}
         arch = self.job.arch
         kept = {}
         for name in self.groups[i]:
@@ -137,7 +140,7 @@ class WeightStream:
             return
         args = [(i, *self._inputs(i)) for i in groups]
         # on CUDA one thread: `on_device` brings packed tensors to the host through one pinned buffer
-        threads = 1 if self.device.type == "cuda" else max(1, min(len(groups), os.cpu_count() or 1))
+        threads = 1 if self.device.type == "cuda" else max(1, min(len(groups), usable_cores()))
         with ThreadPoolExecutor(threads, thread_name_prefix="weights") as pool:
             made = [pool.submit(self._tensors, i, results, overrides, None, None) for i, results, overrides in args]
             for f in made:

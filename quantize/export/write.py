@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from ..errors import UserError
 from .. import manifest
 from ..records import Manifest
-from ..files import fsync_path
+from ..files import fsync_path, usable_cores
 from ..preflight.checks import human_bytes
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class ShardWriter:
     def __init__(self, out: Path, max_shard_bytes: int, on_written: Callable[[Path], object] | None = None,
                  rename: Callable[[Path, Path], object] = os.replace):
         self.out, self.max, self.on_written, self.rename = Path(out), max_shard_bytes, on_written, rename
-        self.pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="shard")
+        self.pool = ThreadPoolExecutor(max_workers=max(1, min(8, usable_cores())), thread_name_prefix="shard")
         self.current: dict[str, torch.Tensor] = {}
         self.current_bytes = 0
         self.shards: list[list[str]] = []  # tensor names of each shard, in shard order
