@@ -17,12 +17,15 @@ from typing import Any
 import torch
 
 from . import calib, methods
+from .errors import UserError
+from .methods import kernels
 from .export import write as export
 from .export.artifact import RunRecord, write_artifact
 from .source import integrity, load as source
 from .source.arch import Arch, UnsupportedArchitecture, arch_for
 from .source.experts import split_experts
 from .capture.loop import run_shared
+from .capture import warmup
 from .capture.device import check_kernels, configure_allocator
 from .capture.distributed import Dist
 from .capture.checkpoint import Checkpointer, fingerprint
@@ -234,7 +237,27 @@ def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: b
                 locks.enter_context(output_lock(out))
             if writer:
                 export.remove_stale(out)  # what a killed run of this output left; no live run can own it now
+        if dist is None:  # the kernels the pass will launch, compiled by a side process meanwhile (CUDA only)
+            locks.enter_context(warmup.started(*_warmup_launches(recipes)))
         return _run_many(recipes, outs, force, runlog, dist, before_weights)
+
+
+def _warmup_launches(recipes: list[Recipe]) -> tuple[list[dict], str]:
+    """What the side process should compile for a run of these recipes (`capture.warmup`), and on which device:
+    nothing where it cannot help (no CUDA device, no compiling triton, a GPU in an exclusive compute mode) or the
+    model's shapes are not readable from its config.json alone (pre-flight then says why, with its own message)."""
+    first = recipes[0]
+    if not warmup.enabled():  # a value it does not know is refused here, before the model is read
+        return [], ""
+    try:
+        device = pick_device(first)
+        config = source.config_json(first.model, first.trust_remote_code) if device.type == "cuda" else None
+        if config is None or not warmup.usable():
+            return [], ""
+        return kernels.plan(recipes, config, arch_for(config), pick_compute_dtype(first, device)), str(device)
+    except (UserError, KeyError, AttributeError, TypeError, ValueError) as e:  # pre-flight reports it
+        log.debug("Triton warm-up: not started (%s: %s)", type(e).__name__, e)
+        return [], ""
 
 
 def _run_many(recipes: list[Recipe], outs: list[Path], force: bool, runlog: RunLog | None,

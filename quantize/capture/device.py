@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..methods import awq_search as awq, gptq_sweep as gptq
-from . import hostpages
+from . import hostpages, warmup
 from ..errors import UserError
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,13 @@ def gptq_sweep(kernel: str, device: torch.device) -> gptq.Sweep:
     """The GPTQ column sweep for `kernel` (auto | torch | triton) on `device`: auto = the Triton kernel on CUDA
     when triton imports, else torch's. Both give the same codes; Triton's is the fast one on a GPU."""
     module = _triton_module("gptq_triton", kernel, device, "advanced.gptq.kernel")
-    return gptq.TORCH_SWEEP if module is None else gptq.Sweep("triton", module.sweep_triton)
+    if module is None:
+        return gptq.TORCH_SWEEP
+
+    def sweep(W, W0, A, t, scales, zeros, gidx, g, spec):
+        warmup.wait(f"gptq_triton:{spec.group}")  # a side process may be compiling it (`capture.warmup`)
+        return module.sweep_triton(W, W0, A, t, scales, zeros, gidx, g, spec)
+    return gptq.Sweep("triton", sweep)
 
 
 def awq_clip(kernel: str, device: torch.device) -> Callable:
@@ -192,6 +198,7 @@ def awq_clip(kernel: str, device: torch.device) -> Callable:
 
     def search(w, gram, spec, n_grid=20, max_shrink=0.5, per_side=False):
         if module.supports(w, spec.group):
+            warmup.wait(f"awq_clip_triton:{spec.group}")
             return module.search_clip_triton(w, gram, spec, n_grid, max_shrink, per_side)
         return awq.search_clip(w, gram, spec, n_grid, max_shrink, per_side)
     return search
@@ -207,11 +214,13 @@ def awq_fake_quant(kernel: str, device: torch.device) -> awq.FakeQuant:
 
     def candidate(w, s, spec):
         if module.supports(w, spec.group):
+            warmup.wait(f"awq_fq_triton:{spec.group}")
             return module.scaled_fake_quant_triton(w, s, spec)
         return awq.TORCH_FQ.candidate(w, s, spec)
 
     def delta(w, s, spec, out):
         if module.supports(w, spec.group) and out.stride(1) == 1:
+            warmup.wait(f"awq_fq_triton:{spec.group}")
             return module.scaled_fake_quant_triton(w, s, spec, delta=True, out=out)
         return awq.TORCH_FQ.delta(w, s, spec, out)
     return awq.FakeQuant("triton", candidate, delta)

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field
 
 from .base import Method
-from .gptq import block_problem
+from .gptq import block_problem, sweep_kernel
 from .options import Strict
 
 
@@ -63,6 +63,17 @@ class Awq(Method):
         if recipe.awq.rounding == "gptq":
             return block_problem(recipe)
         return None
+
+    def triton_kernels(self, recipe) -> list[dict]:
+        o, fast = recipe.awq, recipe.advanced.awq
+        q = {"group": recipe.q_group_size, "w_bit": recipe.w_bit, "symmetric": recipe.symmetric}
+        out = []
+        if fast.search_kernel != "torch":  # block groups' candidates, then single linears' ΔW
+            out += [{"module": "awq_fq_triton", **q, "delta": False}, {"module": "awq_fq_triton", **q, "delta": True}]
+        if o.apply_clip and fast.clip_kernel != "torch":
+            out.append({"module": "awq_clip_triton", **q, "n_grid": o.clip_grid, "max_shrink": o.max_shrink,
+                        "per_side": o.clip_search == "per_side"})
+        return out + (sweep_kernel(recipe, grid=True) if o.rounding == "gptq" else [])
 
     def layer(self, data, job) -> dict:
         from . import awq_layer

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .awq_search import QSpec
 from .gptq_triton import div_scalar, round_half_even
 
 BLOCK_OUT = 32  # output rows per program: with the [g, g] Gram tile in registers at 8 warps
@@ -113,3 +114,15 @@ def search_clip_triton(w: torch.Tensor, gram: torch.Tensor, spec, n_grid: int, m
                       RECIP=w.device.type == "cuda", GROUP=g, BLOCK_R=BLOCK_OUT, num_warps=8,
                       enable_fp_fusion=False)
     return lo.t().contiguous(), hi.t().contiguous()
+
+
+def warm(launch: dict, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
+    """One search with a run's settings on [rows, cols] weights, so that Triton compiles (or finds in its cache)
+    the kernel the run will launch (`capture.warmup`): launch holds group, w_bit, symmetric, n_grid, max_shrink
+    and per_side."""
+    spec = QSpec(launch["w_bit"], launch["group"], symmetric=launch["symmetric"])
+    w = torch.randn(rows, cols, device=device).to(dtype)
+    if not supports(w, spec.group):
+        return
+    gram = torch.randn(cols // spec.group, spec.group, spec.group, device=device)
+    search_clip_triton(w, gram, spec, launch["n_grid"], launch["max_shrink"], launch["per_side"])

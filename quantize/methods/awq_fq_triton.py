@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .awq_search import QSpec
 from .gptq_triton import div_scalar, round_half_even
 
 BLOCK_OUT = 16  # output rows per program: a [16, g <= 128] float32 tile at 4 warps
@@ -92,3 +93,17 @@ def scaled_fake_quant_triton(w: torch.Tensor, s: torch.Tensor, spec, delta: bool
                             BF16=w.dtype == torch.bfloat16, GROUP=g,
                             BLOCK_R=BLOCK_OUT, num_warps=4, enable_fp_fusion=False)
     return out
+
+
+def warm(launch: dict, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
+    """One launch with a run's settings on [rows, cols] weights, so that Triton compiles (or finds in its cache)
+    the kernel the run will launch (`capture.warmup`): launch holds group, w_bit, symmetric and delta."""
+    spec = QSpec(launch["w_bit"], launch["group"], symmetric=launch["symmetric"])
+    w = torch.randn(rows, cols, device=device).to(dtype)
+    if not supports(w, spec.group):
+        return
+    s = torch.rand(cols, device=device) + 0.5
+    if launch["delta"]:
+        scaled_fake_quant_triton(w, s, spec, delta=True, out=torch.empty(rows, cols, device=device))
+    else:
+        scaled_fake_quant_triton(w, s, spec)

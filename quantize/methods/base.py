@@ -44,6 +44,13 @@ class Method:
         """Why this recipe's settings do not work with this method, saying what to change; None when they do."""
         return None
 
+    def triton_kernels(self, recipe) -> list[dict]:
+        """The Triton kernels this recipe's layer jobs launch on CUDA, in the order a layer first launches them:
+        each {module: a `quantize.methods` module with a `warm(launch, rows, cols, dtype, device)`, group: the
+        recipe's group size, and the settings that module's `warm` reads}. A side process compiles them while the
+        run starts (`capture.warmup`); [] = none."""
+        return []
+
     def static_act_order(self, recipe) -> bool:
         """Whether columns were quantized in activation order (static: groups stay contiguous), as formats record."""
         return False

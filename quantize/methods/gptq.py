@@ -29,6 +29,18 @@ class GptqOptions(Strict):
     fp_target: float = Field(0.0, ge=0, le=1)
 
 
+def sweep_kernel(recipe, grid: bool) -> list[dict]:
+    """The Triton column sweep's launch settings for this recipe (`Method.triton_kernels`); grid: static groups
+    on a given grid (AWQ's GPTQ rounding), else the `gptq:` section's act_order."""
+    if recipe.advanced.gptq.kernel == "torch":
+        return []
+    o = recipe.gptq
+    return [{"module": "gptq_triton", "group": recipe.q_group_size, "w_bit": recipe.w_bit,
+             "symmetric": recipe.symmetric, "block_size": o.block_size, "damp": o.damp_percent,
+             "act_order": True if grid else o.act_order, "scale_dtype": recipe.dtype,
+             "update": recipe.advanced.gptq.update, "grid": grid}]
+
+
 def block_problem(recipe) -> str | None:
     """The sweep's block and the quantization group must nest (GPTQ proper, and AWQ's GPTQ rounding)."""
     b, g = recipe.gptq.block_size, recipe.q_group_size
@@ -55,6 +67,9 @@ class Gptq(Method):
 
     def static_act_order(self, recipe) -> bool:
         return recipe.gptq.act_order
+
+    def triton_kernels(self, recipe) -> list[dict]:
+        return sweep_kernel(recipe, grid=False)
 
     def layer(self, data, job) -> dict:
         from . import gptq_layer

@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gptq_sweep import _block_start_qparams, lazy_update
+from .awq_search import QSpec, clip_grid
+from .gptq_sweep import GptqSpec, Sweep, _block_start_qparams, gptq_quantize, lazy_update
 
 BLOCK_ROWS = 16  # rows per program: [16, 128] fp32 tile = 16 registers per thread at 4 warps
 _SCALE_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -157,3 +158,17 @@ def sweep_triton(W: torch.Tensor, W0: torch.Tensor, A: torch.Tensor, t: torch.Te
                           enable_fp_fusion=False)
         lazy_update(W, i2, D1, A[i1:i2], spec)
     return codes, row_loss
+
+
+def warm(launch: dict, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
+    """One GPTQ problem with a run's settings on [rows, cols] weights (H the identity), so that Triton compiles
+    (or finds in its cache) every block's kernel the run will launch (`capture.warmup`); grid: on a given grid
+    with static groups, as AWQ's GPTQ rounding sweeps."""
+    spec = GptqSpec(launch["w_bit"], launch["group"], launch["symmetric"], launch["block_size"], launch["damp"],
+                    launch["act_order"], getattr(torch, launch["scale_dtype"]), launch["update"])
+    W = torch.randn(rows, cols, device=device).to(dtype)
+    grid = None
+    if launch["grid"]:
+        scales, zeros = clip_grid(W, None, None, QSpec(spec.w_bit, spec.group, symmetric=spec.symmetric))
+        grid = (scales.to(spec.scale_dtype), zeros)
+    gptq_quantize(W, torch.eye(cols, device=device), spec, grid, Sweep("triton", sweep_triton))
