@@ -5,13 +5,17 @@
 #
 #   OTHER=/path/to/other/tree OUT=/some/dir bash bench/gpu_tree_ab.sh      # on the GPU host, from this tree's root
 #
-# RUNS: the order, as tree:method words (tree: this or other; method: gptq or awq; default below).
+# RUNS: the order, as tree:method words (tree: this, other, or nowarm: this tree with QUANTIZE_TRITON_WARMUP=off;
+# method: gptq or awq; default below). OTHER is needed only where RUNS names it.
+# COLD=1: each run starts with an empty Triton cache of its own (a fresh host's first run); the number of compiled
+# kernels it left there and the run's "Triton warm-up" log line go into its record.
 # $OUT gets ab.json (every run's bench record, the diffs) and ab.tar.gz (the runs' logs); the artifacts are
 # removed once compared (a 7B checkpoint plus four artifacts fill most of the GPU host's disk).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-OTHER=${OTHER:?set OTHER to the other tree}
+OTHER=${OTHER:-}
+COLD=${COLD:-0}
 OUT=${OUT:-/tmp/gpu-tree-ab}
 WORK=${WORK:-/tmp/gpu-tree-ab-work}
 RUNS=${RUNS:-"this:gptq other:gptq this:gptq other:gptq this:awq other:awq this:awq"}
@@ -27,19 +31,42 @@ $PY bench/build_checkpoint.py --config bench/configs/qwen2.5-7b --out "$WORK/ckp
 n=0
 for item in $RUNS; do
     tree=${item%%:*}; method=${item#*:}; n=$((n + 1))
-    case "$tree" in this) dir=$ROOT;; other) dir=$OTHER;; *) echo "error: RUNS names tree '$tree'; use this or other" >&2; exit 2;; esac
+    warm=on
+    case "$tree" in
+        this) dir=$ROOT;;
+        nowarm) dir=$ROOT; warm=off;;
+        other) dir=${OTHER:?RUNS names the other tree: set OTHER};;
+        *) echo "error: RUNS names tree '$tree'; use this, other or nowarm" >&2; exit 2;;
+    esac
+    tc=""
+    if [ "$COLD" = 1 ]; then tc="$WORK/triton/$n"; rm -rf "$tc"; mkdir -p "$tc"; fi
     recipe="$WORK/r/bench-$method.yaml"
     printf 'name: bench-%s\nbase: %s\nmodel: %s\ndevice: cuda\ncalibration: {n_samples: 128, seq_len: 512}\n' \
         "$method" "$dir/bench/recipes/bench-$method-g128.yaml" "$WORK/ckpt/qwen2.5-7b" > "$recipe"
-    (cd "$dir" && $PY bench/bench_ours.py "$recipe" --out-root "$WORK/art-$tree" \
-        --json "$WORK/json/$n-$tree-$method.json" > "$WORK/logs/$n-$tree-$method.log" 2>&1)
+    (cd "$dir" && export QUANTIZE_TRITON_WARMUP=$warm ${tc:+TRITON_CACHE_DIR=$tc} && $PY bench/bench_ours.py "$recipe" \
+        --out-root "$WORK/art-$tree" --json "$WORK/json/$n-$tree-$method.json" > "$WORK/logs/$n-$tree-$method.log" 2>&1)
     echo "run $n $tree $method: exit $? $(grep -o '"process_s": [0-9.]*' "$WORK/json/$n-$tree-$method.json" 2>/dev/null)"
+    $PY - "$WORK/json/$n-$tree-$method.json" "$WORK/logs/$n-$tree-$method.log" "$tc" <<'EOF'
+import json, sys
+from pathlib import Path
+rec, logf, tc = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+if rec.exists():
+    r = json.loads(rec.read_text())
+    r["triton_warmup_log"] = [l.strip() for l in logf.read_text().splitlines() if "Triton warm-up" in l]
+    if tc:  # one directory per compiled kernel (its key's hash)
+        r["triton_cache_entries"] = sum(1 for p in Path(tc).rglob("*") if p.is_dir() and p.parent == Path(tc))
+    rec.write_text(json.dumps(r, indent=1))
+    print("   ", r["triton_warmup_log"][-1:] or "(no warm-up line)", "cache entries:", r.get("triton_cache_entries"))
+EOF
 done
 for method in gptq awq; do
-    if [ -d "$WORK/art-this/bench-$method" ] && [ -d "$WORK/art-other/bench-$method" ]; then
-        $PY bench/diff_artifacts.py "$WORK/art-other/bench-$method" "$WORK/art-this/bench-$method" \
-            --json "$WORK/json/diff-$method.json" > /dev/null && echo "diff $method: $(tr -d '\n ' < "$WORK/json/diff-$method.json" | head -c 600)"
-    fi
+    for tree in other nowarm; do
+        if [ -d "$WORK/art-this/bench-$method" ] && [ -d "$WORK/art-$tree/bench-$method" ]; then
+            $PY bench/diff_artifacts.py "$WORK/art-$tree/bench-$method" "$WORK/art-this/bench-$method" \
+                --json "$WORK/json/diff-$tree-$method.json" > /dev/null \
+                && echo "diff $tree $method: $(tr -d '\n ' < "$WORK/json/diff-$tree-$method.json" | head -c 600)"
+        fi
+    done
 done
 $PY - "$WORK/json" "$OUT/ab.json" <<'EOF'
 import json, sys
@@ -52,4 +79,4 @@ for k, r in runs.items():
 out.write_text(json.dumps(runs, indent=1) + "\n")
 EOF
 tar -czf "$OUT/ab.tar.gz" -C "$WORK" logs
-rm -rf "$WORK/art-this" "$WORK/art-other"
+rm -rf "$WORK/art-this" "$WORK/art-other" "$WORK/art-nowarm" "$WORK/triton"
