@@ -164,7 +164,13 @@ def started(launches: list[dict], device: str = "cuda"):
         yield None
         return
     w = Warmup(launches, device)
-    w.start()
+    try:
+        w.start()
+    except OSError as e:  # no process, or one gone before it read its launches: the run compiles as before
+        log.debug("Triton warm-up: not started (%s)", e)
+        w.stop()
+        yield None
+        return
     _ACTIVE = w
     try:
         yield w

@@ -220,3 +220,10 @@ def test_the_pass_waits_on_the_keys_the_plan_announces(tmp_path):
     assert got["awq"][0] == got["awq"][1] == ["awq_fq_triton:64", "awq_clip_triton:64"]
     assert got["awq-gptq"][0] == got["awq-gptq"][1] == ["awq_fq_triton:64", "awq_clip_triton:64", "gptq_triton:64"]
     assert got["gptq"][0] == got["gptq"][1] == ["gptq_triton:64"]
+
+
+def test_a_process_that_cannot_start_leaves_the_run_alone(monkeypatch):
+    monkeypatch.setattr(warmup.Warmup, "command", lambda self: ["/nonexistent/python"])
+    with warmup.started([{"module": "awq_fq_triton", "group": 64}]) as w:
+        assert w is None and warmup._ACTIVE is None
+        warmup.wait("awq_fq_triton:64")  # returns at once
