@@ -5,7 +5,9 @@ in a fresh process, on a directory of the Qwen2.5-7B shape whose weight files ho
     python bench/preflight_time.py [--config bench/configs/qwen2.5-7b] [--runs 3] [--json OUT.json]
 
 The recipe is the shipped qwen7b-awq-g128 with `model` pointing at that directory and `device: cpu`. Each run's
-`stage preflight` seconds (from its log) and process wall seconds are recorded. The first run may also fill the
+`stage preflight` seconds (from its log) and process wall seconds are recorded. `--same-process N` adds one more
+process that runs the same pre-flight N times in a row: its first call pays the imports as a run does, the later
+ones show what pre-flight's own checks cost once transformers and torch are imported. The first run may also fill the
 deploy table's cache (vLLM's kernel selection, asked once per vLLM version); it is reported, not dropped.
 """
 
@@ -67,11 +69,37 @@ def headers_only(config_dir: Path, out: Path, tiny: bool = False) -> dict:
     return {"tensors": len(names), "bytes": total}
 
 
+# pre-flight n times in one fresh process that has imported nothing else first (this script imports torch and
+# transformers): per call its seconds and its `preflight` stage's
+SAME_PROCESS = """
+import json, logging, re, sys, time
+recipe, out, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+stages = []
+class Stage(logging.Handler):
+    def emit(self, record):
+        m = re.search(r"stage preflight: done in ([\\d.]+) s", record.getMessage())
+        if m:
+            stages.append(float(m.group(1)))
+log = logging.getLogger("quantize.runner")
+log.addHandler(Stage())
+log.setLevel(logging.INFO)
+calls = []
+for i in range(n):
+    t0 = time.perf_counter()
+    from quantize import runner  # the first call pays this import, as a run does
+    runner.preflight_only(recipe, out_root=out, json_path=f"{out}/plan-{i}.json")
+    calls.append({"call_s": round(time.perf_counter() - t0, 2), "preflight_s": stages[-1]})
+print(json.dumps(calls))
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=ROOT / "bench" / "configs" / "qwen2.5-7b")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--same-process", type=int, default=0, metavar="N",
+                    help="also run pre-flight N times in one process (0: not)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="preflight-time-") as work_s:
         work = Path(work_s)
@@ -94,12 +122,24 @@ def main() -> None:
                 sys.exit(f"error: pre-flight run {i + 1} failed (exit {p.returncode}): {tail}")
             runs.append({"preflight_s": float(m.group(1)), "process_s": round(wall, 2)})
             print(f"run {i + 1}: stage preflight {m.group(1)} s, process {wall:.1f} s", flush=True)
+        same = []
+        if args.same_process:
+            (work / "s").mkdir()
+            p = subprocess.run([sys.executable, "-c", SAME_PROCESS, str(path), str(work / "s"), str(args.same_process)],
+                               env=env, cwd=ROOT, capture_output=True, text=True)
+            if p.returncode != 0:
+                sys.exit(f"error: the same-process run failed (exit {p.returncode}): {p.stderr[-800:]}")
+            same = json.loads(p.stdout.strip().splitlines()[-1])
+            for i, c in enumerate(same):
+                print(f"same process, call {i + 1}: stage preflight {c['preflight_s']} s, call {c['call_s']} s")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     record = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "machine": platform.machine(),
               "cpus": os.cpu_count(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "config": str(args.config.resolve().relative_to(ROOT)) if args.config.resolve().is_relative_to(ROOT)
               else str(args.config), "checkpoint": ckpt, "runs": runs}
+    if same:
+        record["same_process"] = same
     print(json.dumps(record))
     if args.json:
         args.json.write_text(json.dumps(record, indent=2) + "\n")

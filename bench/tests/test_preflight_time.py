@@ -27,3 +27,28 @@ def test_headers_only_checkpoint_passes_the_integrity_check(tmp_path):
     src = source.resolve(str(out))
     config = source.read_config(src)
     integrity.check_tensors(src, config, arch_for(config))  # every tensor the config implies, shaped as it says
+
+
+def test_same_process_calls_report_each_pre_flight(tmp_path):
+    """--same-process: pre-flight called again in one process reports one entry per call, each with its stage."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from bench.preflight_time import SAME_PROCESS
+
+    headers_only(ROOT / "bench" / "configs" / "qwen2.5-7b", tmp_path / "ckpt", tiny=True)
+    recipe = yaml.safe_load((ROOT / "recipes" / "qwen7b-awq-g128.yaml").read_text())
+    recipe.update(model=str(tmp_path / "ckpt"), device="cpu",
+                  calibration={"dataset": "groups-merged", "n_samples": 4, "seq_len": 32})
+    path = tmp_path / "qwen7b-awq-g128.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    (tmp_path / "s").mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", SAME_PROCESS, str(path), str(tmp_path / "s"), "2"], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    calls = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(calls) == 2 and all(c["preflight_s"] >= 0 and c["call_s"] > 0 for c in calls)
+    assert (tmp_path / "s" / "plan-0.json").is_file() and (tmp_path / "s" / "plan-1.json").is_file()
