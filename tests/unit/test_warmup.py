@@ -174,9 +174,34 @@ def test_a_slow_process_is_left_behind(monkeypatch):
     assert time.perf_counter() - t0 < 5 and w.proc.poll() is not None
 
 
+def _recording_launches(seen: dict, phase: list) -> None:
+    """Each Triton kernel's launches recorded as Triton keys its cache: every argument's specialization (its type,
+    and for integers 1 / a multiple of 16 / neither, for tensors their alignment) and the constants and options,
+    under seen[phase[0]]; then launched as before."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from quantize.methods import awq_clip_triton, awq_fq_triton, gptq_triton
+
+    for module, name in ((awq_fq_triton, "fake_quant_kernel"), (awq_clip_triton, "clip_kernel"),
+                         (gptq_triton, "sweep_block")):
+        kernel = getattr(module, name)
+
+        class Recorded:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                def launch(*args, **kwargs):
+                    spec = tuple(native_specialize_impl(BaseBackend, a, False, True, True) for a in args)
+                    seen[phase[0]].add(json.dumps([name, spec, sorted(kwargs.items())]))
+                    return kernel[grid](*args, **kwargs)
+                return launch
+        setattr(module, name, Recorded())
+
+
 def waited_keys(tmp: str) -> dict:
     """A tiny Llama quantized with each kernel set to triton (interpreted on the CPU) while a recorder stands in
-    for the side process -> {recipe: (keys the kernels waited on, in order, keys the plan announces)}."""
+    for the side process, then the side process's launches for the same recipe run here -> {recipe: (keys the
+    kernels waited on, in order, keys the plan announces, the run's launch specializations the side process's
+    launches did not make, how many distinct ones the run made)}. k/v have 8 output rows (not a multiple of 16)."""
     from pathlib import Path
 
     class Recorder:
@@ -187,30 +212,37 @@ def waited_keys(tmp: str) -> dict:
             if key not in self.keys:
                 self.keys.append(key)
 
+    seen, phase = {"run": set(), "warm": set()}, ["run"]
+    _recording_launches(seen, phase)
     root = Path(tmp)
-    model = build_tiny_model(root / "m", "llama", hidden=64, intermediate=128, layers=1)  # the interpreter is slow
+    # the interpreter is slow: one small layer; 8 heads of 8 and one KV head make k/v 8 rows
+    model = build_tiny_model(root / "m", "llama", hidden=64, intermediate=128, layers=1, heads=8, kv_heads=1)
     triton_only = {"awq": {"search_kernel": "triton", "clip_kernel": "triton"}, "gptq": {"kernel": "triton"}}
     small = {"n_grid": 4, "clip_grid": 4}
     recipes = {"awq": {"awq": small}, "awq-gptq": {"awq": {**small, "rounding": "gptq"}},
                "gptq": {"method": "gptq", "format": "gptq", "zero_point": False}}
+    config = config_json(str(model))
     out = {}
     for name, over in recipes.items():
         path = tiny_recipe(root, model, name=name, eval={"enabled": False}, advanced=triton_only,
                            calibration=dict(dataset="groups-merged", n_samples=4, seq_len=32, seed=0), **over)
         recipe = load_recipe(str(path))
+        seen["run"].clear(), seen["warm"].clear()
         warmup._ACTIVE = rec = Recorder()
         try:
+            phase[0] = "run"
             runner.run(str(path), out_root=root / "a", force=True)
         finally:
             warmup._ACTIVE = None
-        config = config_json(str(model))
-        planned = list(dict.fromkeys(warmup.key_of(x) for x in kernels.plan([recipe], config, arch_for(config),
-                                                                              torch.float32)))
-        out[name] = (rec.keys, planned)
+        launches = kernels.plan([recipe], config, arch_for(config), torch.float32)
+        phase[0] = "warm"
+        warmup.run_launches(launches, "cpu")
+        planned = list(dict.fromkeys(warmup.key_of(x) for x in launches))
+        out[name] = (rec.keys, planned, sorted(seen["run"] - seen["warm"]), len(seen["run"]))
     return out
 
 
-def test_the_pass_waits_on_the_keys_the_plan_announces(tmp_path):
+def test_the_pass_waits_on_the_keys_the_plan_announces_and_launches_what_it_compiled(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     code = ("import json; from tests.unit.test_warmup import waited_keys; "
             f"print(json.dumps(waited_keys({str(tmp_path)!r})))")
@@ -220,6 +252,9 @@ def test_the_pass_waits_on_the_keys_the_plan_announces(tmp_path):
     assert got["awq"][0] == got["awq"][1] == ["awq_fq_triton:64", "awq_clip_triton:64"]
     assert got["awq-gptq"][0] == got["awq-gptq"][1] == ["awq_fq_triton:64", "awq_clip_triton:64", "gptq_triton:64"]
     assert got["gptq"][0] == got["gptq"][1] == ["gptq_triton:64"]
+    # and every launch the pass made is one the side process made too: the same cache entries on a GPU
+    for name, (_, _, missing, made) in got.items():
+        assert made >= 2 and missing == [], (name, made, missing)
 
 
 def test_a_process_that_cannot_start_leaves_the_run_alone(monkeypatch):
