@@ -183,7 +183,7 @@ def gptq_sweep(kernel: str, device: torch.device) -> gptq.Sweep:
         return gptq.TORCH_SWEEP
 
     def sweep(W, W0, A, t, scales, zeros, gidx, g, spec):
-        warmup.wait(f"gptq_triton:{spec.group}")  # a side process may be compiling it (`capture.warmup`)
+        warmup.wait("gptq_triton", spec.group)  # a side process may be compiling it (`capture.warmup`)
         return module.sweep_triton(W, W0, A, t, scales, zeros, gidx, g, spec)
     return gptq.Sweep("triton", sweep)
 
@@ -198,7 +198,7 @@ def awq_clip(kernel: str, device: torch.device) -> Callable:
 
     def search(w, gram, spec, n_grid=20, max_shrink=0.5, per_side=False):
         if module.supports(w, spec.group):
-            warmup.wait(f"awq_clip_triton:{spec.group}")
+            warmup.wait("awq_clip_triton", spec.group)
             return module.search_clip_triton(w, gram, spec, n_grid, max_shrink, per_side)
         return awq.search_clip(w, gram, spec, n_grid, max_shrink, per_side)
     return search
@@ -214,13 +214,13 @@ def awq_fake_quant(kernel: str, device: torch.device) -> awq.FakeQuant:
 
     def candidate(w, s, spec):
         if module.supports(w, spec.group):
-            warmup.wait(f"awq_fq_triton:{spec.group}")
+            warmup.wait("awq_fq_triton", spec.group)
             return module.scaled_fake_quant_triton(w, s, spec)
         return awq.TORCH_FQ.candidate(w, s, spec)
 
     def delta(w, s, spec, out):
         if module.supports(w, spec.group) and out.stride(1) == 1:
-            warmup.wait(f"awq_fq_triton:{spec.group}")
+            warmup.wait("awq_fq_triton", spec.group)
             return module.scaled_fake_quant_triton(w, s, spec, delta=True, out=out)
         return awq.TORCH_FQ.delta(w, s, spec, out)
     return awq.FakeQuant("triton", candidate, delta)

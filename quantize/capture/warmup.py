@@ -49,10 +49,14 @@ def enabled() -> bool:
     return value == "on"
 
 
+def key(module: str, group: int) -> str:
+    """The name a kernel's launches are awaited by: its module and the group size (a comparison's variants differ
+    in the group size, and the pass reaches them one after the other)."""
+    return f"{module}:{group}"
+
+
 def key_of(launch: dict) -> str:
-    """The name a launch is awaited by: its kernel's module and group size (a comparison's variants differ in
-    the group size, and the pass reaches them one after the other)."""
-    return f"{launch['module']}:{launch['group']}"
+    return key(launch["module"], launch["group"])
 
 
 class Warmup:
@@ -119,10 +123,11 @@ class Warmup:
 _ACTIVE: Warmup | None = None
 
 
-def wait(key: str) -> None:
-    """Before a Triton kernel's first launch in this process: wait for the side process's compile of it."""
+def wait(module: str, group: int) -> None:
+    """Before a launch of the Triton kernel in quantize.methods.<module>: wait for the side process's compile of
+    it (at once after the first launch)."""
     if _ACTIVE is not None:
-        _ACTIVE.wait(key)
+        _ACTIVE.wait(key(module, group))
 
 
 def gpus_shared() -> bool:

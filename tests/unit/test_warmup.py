@@ -267,4 +267,4 @@ def test_a_process_that_cannot_start_leaves_the_run_alone(monkeypatch):
     monkeypatch.setattr(warmup.Warmup, "command", lambda self: ["/nonexistent/python"])
     with warmup.started([{"module": "awq_fq_triton", "group": 64}]) as w:
         assert w is None and warmup._ACTIVE is None
-        warmup.wait("awq_fq_triton:64")  # returns at once
+        warmup.wait("awq_fq_triton", 64)  # returns at once
