@@ -7,9 +7,13 @@ The method's facts and recipe section (`gptq:`); its per-layer job is `gptq_laye
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 from pydantic import Field
 
 from .base import Method
+from .gptq_sweep import spec_json
 from .options import Strict
 
 
@@ -30,15 +34,17 @@ class GptqOptions(Strict):
 
 
 def sweep_kernel(recipe, grid: bool) -> list[dict]:
-    """The Triton column sweep's launch settings for this recipe (`Method.triton_kernels`); grid: static groups
-    on a given grid (AWQ's GPTQ rounding), else the `gptq:` section's act_order."""
+    """The Triton column sweep's launch settings for this recipe (`Method.triton_kernels`): the run's own
+    `GptqSpec` as JSON (`gptq_sweep.spec_json`); grid: static groups on a given grid (AWQ's GPTQ rounding),
+    else the `gptq:` section's act_order."""
     if recipe.advanced.gptq.kernel == "torch":
         return []
-    o = recipe.gptq
-    return [{"module": "gptq_triton", "group": recipe.q_group_size, "w_bit": recipe.w_bit,
-             "symmetric": recipe.symmetric, "block_size": o.block_size, "damp": o.damp_percent,
-             "act_order": True if grid else o.act_order, "scale_dtype": recipe.dtype,
-             "update": recipe.advanced.gptq.update, "grid": grid}]
+    from .gptq_layer import gptq_spec
+
+    spec = gptq_spec(recipe, getattr(torch, recipe.dtype))
+    if grid:
+        spec = dataclasses.replace(spec, act_order=True)  # as `awq_layer` sweeps on the clip grid
+    return [{"module": "gptq_triton", "group": spec.group, "spec": spec_json(spec), "grid": grid}]
 
 
 def block_problem(recipe) -> str | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,15 @@ class GptqSpec:
     act_order: bool = False
     scale_dtype: torch.dtype = torch.float32  # scales are rounded to the stored dtype before codes are chosen
     update: str = "float32"  # cross-block update's matmul: float32 | tf32 (10-bit operands; see `lazy_update`)
+
+
+def spec_json(spec: GptqSpec) -> dict:
+    """The spec as JSON values (the Triton warm-up's side process rebuilds it with `spec_from_json`)."""
+    return {**dataclasses.asdict(spec), "scale_dtype": str(spec.scale_dtype).removeprefix("torch.")}
+
+
+def spec_from_json(d: dict) -> GptqSpec:
+    return GptqSpec(**{**d, "scale_dtype": getattr(torch, d["scale_dtype"])})
 
 
 @dataclass

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .awq_search import QSpec, clip_grid
-from .gptq_sweep import GptqSpec, Sweep, _block_start_qparams, gptq_quantize, lazy_update
+from .gptq_sweep import Sweep, _block_start_qparams, gptq_quantize, lazy_update, spec_from_json
 
 BLOCK_ROWS = 16  # rows per program: [16, 128] fp32 tile = 16 registers per thread at 4 warps
 _SCALE_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -164,8 +164,7 @@ def warm(launch: dict, rows: int, cols: int, dtype: torch.dtype, device: torch.d
     """One GPTQ problem with a run's settings on [rows, cols] weights (H the identity), so that Triton compiles
     (or finds in its cache) every block's kernel the run will launch (`capture.warmup`); grid: on a given grid
     with static groups, as AWQ's GPTQ rounding sweeps."""
-    spec = GptqSpec(launch["w_bit"], launch["group"], launch["symmetric"], launch["block_size"], launch["damp"],
-                    launch["act_order"], getattr(torch, launch["scale_dtype"]), launch["update"])
+    spec = spec_from_json(launch["spec"])
     W = torch.randn(rows, cols, device=device).to(dtype)
     grid = None
     if launch["grid"]:

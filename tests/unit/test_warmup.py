@@ -18,7 +18,7 @@ import torch
 from quantize import runner
 from quantize.capture import warmup
 from quantize.errors import UserError
-from quantize.methods import kernels
+from quantize.methods import gptq_layer, gptq_sweep, kernels
 from quantize.recipe import load_recipe
 from quantize.source.arch import arch_for
 from quantize.source.load import config_json
@@ -57,7 +57,10 @@ def test_plan_names_each_kernel_of_the_recipe_once_per_shape(tmp_path):
     gptq = _plan([_recipe(tmp_path, "g", method="gptq", format="gptq", zero_point=False,
                           gptq={"act_order": False})])
     assert {warmup.key_of(x) for x in gptq} == {"gptq_triton:128"}
-    assert all(x["grid"] is False and x["act_order"] is False and x["symmetric"] for x in gptq)
+    assert all(x["grid"] is False and x["spec"]["act_order"] is False and x["spec"]["symmetric"] for x in gptq)
+    # the spec the run's own sweep uses (gptq_layer.gptq_spec), rebuilt from JSON in the side process
+    assert gptq_sweep.spec_from_json(gptq[0]["spec"]) == \
+        gptq_layer.gptq_spec(load_recipe(str(tmp_path / "g.yaml")), torch.float16)
     # q/k/v and gate/up are swept as one problem: their row sums are shapes too (here multiples of 16 as well)
     assert {(x["rows"], x["cols"]) for x in gptq} == {(16, 3584), (16, 18944)}
 
