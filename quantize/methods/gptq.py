@@ -7,13 +7,9 @@ The method's facts and recipe section (`gptq:`); its per-layer job is `gptq_laye
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch
 from pydantic import Field
 
 from .base import Method
-from .gptq_sweep import spec_json
 from .options import Strict
 
 
@@ -34,17 +30,13 @@ class GptqOptions(Strict):
 
 
 def sweep_kernel(recipe, grid: bool) -> list[dict]:
-    """The Triton column sweep's launch settings for this recipe (`Method.triton_kernels`): the run's own
-    `GptqSpec` as JSON (`gptq_sweep.spec_json`); grid: static groups on a given grid (AWQ's GPTQ rounding),
-    else the `gptq:` section's act_order."""
+    """The Triton column sweep's launch settings for this recipe (`Method.triton_kernels`; `gptq_layer.sweep_launch`);
+    grid: static groups on a given grid (AWQ's GPTQ rounding), else the `gptq:` section's act_order."""
     if recipe.advanced.gptq.kernel == "torch":
         return []
-    from .gptq_layer import gptq_spec
+    from .gptq_layer import sweep_launch
 
-    spec = gptq_spec(recipe, getattr(torch, recipe.dtype))
-    if grid:
-        spec = dataclasses.replace(spec, act_order=True)  # as `awq_layer` sweeps on the clip grid
-    return [{"module": "gptq_triton", "group": spec.group, "spec": spec_json(spec), "grid": grid}]
+    return [sweep_launch(recipe, grid)]
 
 
 def block_problem(recipe) -> str | None:

@@ -7,6 +7,7 @@ split between them (docs/DISTRIBUTED.md).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -29,6 +30,15 @@ def gptq_spec(recipe, scale_dtype: torch.dtype) -> gptq.GptqSpec:
     o, fast = recipe.gptq, recipe.advanced.gptq
     return gptq.GptqSpec(recipe.w_bit, recipe.q_group_size, recipe.symmetric, o.block_size, o.damp_percent,
                          o.act_order, scale_dtype, fast.update)
+
+
+def sweep_launch(recipe, grid: bool) -> dict:
+    """The Triton warm-up's launch of the sweep this recipe runs: the run's own spec as JSON, which the side
+    process rebuilds (`gptq_triton.warm`); grid: on AWQ's clip grid, with act_order on as `awq_layer` sets it."""
+    spec = gptq_spec(recipe, getattr(torch, recipe.dtype))
+    if grid:
+        spec = dataclasses.replace(spec, act_order=True)
+    return {"module": "gptq_triton", "group": spec.group, "spec": gptq.spec_json(spec), "grid": grid}
 
 
 class _FpCross:
