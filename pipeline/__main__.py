@@ -1,11 +1,12 @@
 """`python -m pipeline` and the `quantize` command. The bytecode cache is prepared before the command line's own
-imports (pydantic, yaml) and long before torch's (`pipeline.bytecode`)."""
+imports (pydantic, yaml) and long before torch's (`pipeline.bytecode`); scikit-learn, which transformers imports
+for a feature no command uses, waits until something calls it (`pipeline.deferred`)."""
 
 import sys
 
 from quantize.errors import UserError
 
-from . import bytecode
+from . import bytecode, deferred
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:  # before the command line exists, so answered here the way it answers
         print(f"error: {e}", file=sys.stderr)
         return 2
+    deferred.defer_sklearn()
     from .cli import main as cli_main
 
     return cli_main(argv)
