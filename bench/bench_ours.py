@@ -30,6 +30,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 T0 = time.perf_counter()
+LOAD0 = os.getloadavg()  # a busy host (the previous run's process still ending, writeback) slows imports
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         "gpu_total_gib": gib(torch.cuda.get_device_properties(0).total_memory) if cuda else None,
         "calibration": man.calibration.to_json() if man.calibration else None, "cuda_allocator": man.cuda_allocator,
         "stages_s": runlog.stages, "run_s": round(run_s, 3), "process_s": round(time.perf_counter() - T0, 2),
+        "preflight_parts_s": runlog.preflight_parts, "loadavg_at_start": [round(x, 2) for x in LOAD0],
         "bytecode": None if BYTECODE is None else {"compiled": BYTECODE.compiled, "present": BYTECODE.present,
                                                    "workers": BYTECODE.workers,
                                                    "seconds": round(BYTECODE.seconds, 2)},

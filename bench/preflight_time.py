@@ -93,6 +93,12 @@ print(json.dumps(calls))
 """
 
 
+def parts(log: str) -> dict[str, float]:
+    """The stage's parts from its log line `stage preflight: config 3.1 s, checkpoint 0.1 s, ...`."""
+    m = re.search(r"stage preflight: (config [\d.]+ s.*)$", log, re.M)
+    return {k.strip(): float(v) for k, v in re.findall(r"([a-z ]+) ([\d.]+) s", m.group(1))} if m else {}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=ROOT / "bench" / "configs" / "qwen2.5-7b")
@@ -120,8 +126,10 @@ def main() -> None:
             if p.returncode != 0 or m is None:
                 tail = (p.stderr or p.stdout)[-800:]
                 sys.exit(f"error: pre-flight run {i + 1} failed (exit {p.returncode}): {tail}")
-            runs.append({"preflight_s": float(m.group(1)), "process_s": round(wall, 2)})
-            print(f"run {i + 1}: stage preflight {m.group(1)} s, process {wall:.1f} s", flush=True)
+            runs.append({"preflight_s": float(m.group(1)), "process_s": round(wall, 2),
+                         "parts_s": parts(p.stdout + p.stderr)})
+            print(f"run {i + 1}: stage preflight {m.group(1)} s, process {wall:.1f} s, {runs[-1]['parts_s']}",
+                  flush=True)
         same = []
         if args.same_process:
             (work / "s").mkdir()

@@ -40,6 +40,10 @@ class RunLog:
     (since the process started or the caller last reset them), None elsewhere.
     device: where the pass ran: the device, the compute dtype and the CUDA allocator settings (None off CUDA).
     export_parts: the export stage's parts summed over the run's artifacts (`export.artifact.write_artifact`).
+    preflight_parts: the pre-flight stage's parts: "config" (its first read imports transformers' model code),
+    "checkpoint" (weight files' headers against the model; the tokenizer where calibration does not load it),
+    "plan" (shapes, formats, the deployability table), "eval inputs" (where the caller checks them), "device"
+    (the device and its kernels).
     """
 
     stages: dict[str, float] = field(default_factory=dict)
@@ -48,6 +52,7 @@ class RunLog:
     peak_reserved_bytes: int | None = None
     device: dict = field(default_factory=dict)
     export_parts: dict[str, float] = field(default_factory=dict)
+    preflight_parts: dict[str, float] = field(default_factory=dict)
 
     def layer(self, index: int) -> LayerRecord:
         """The record of decoder layer `index`, created on first use."""

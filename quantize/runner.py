@@ -46,7 +46,10 @@ PROJECT_DIR = Path(__file__).resolve().parent.parent
 
 @dataclass
 class Timings:
+    """Seconds per stage, and per part of a stage that keeps a stopwatch (`laps`)."""
+
     stages: dict[str, float] = field(default_factory=dict)
+    parts: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @contextmanager
     def stage(self, name: str):
@@ -55,6 +58,20 @@ class Timings:
         yield
         self.stages[name] = round(time.perf_counter() - t0, 3)
         log.info("stage %s: done in %.1f s", name, self.stages[name])
+        if self.parts.get(name):
+            log.info("stage %s: %s", name, ", ".join(f"{k} {v:.1f} s" for k, v in self.parts[name].items()))
+
+    def laps(self, stage: str) -> Callable[[str], None]:
+        """A stopwatch over `stage`'s parts: lap(name) adds the seconds since the previous lap (or since now) to
+        parts[stage][name]."""
+        last = [time.perf_counter()]
+
+        def lap(name: str) -> None:
+            now, mine = time.perf_counter(), self.parts.setdefault(stage, {})
+            mine[name] = round(mine.get(name, 0.0) + now - last[0], 3)
+            last[0] = now
+
+        return lap
 
 
 def pick_compute_dtype(recipe: Recipe, device: torch.device) -> torch.dtype:
@@ -121,6 +138,7 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
         raise PreflightError(f"two recipes have the same name in {[r.name for r in recipes]}")
     first = recipes[0]
     with timings.stage("preflight"):
+        lap = timings.laps("preflight")  # its first read of a config imports transformers' model code
         for out in outs:
             if out.exists() and not force:
                 raise export.OutputExistsError(f"output {out} already exists; remove it or pass --force "
@@ -132,19 +150,24 @@ def preflight(recipes: list[Recipe], outs: list[Path], force: bool, timings: Tim
         except UnsupportedArchitecture as e:
             raise UnsupportedArchitecture(f"{e}; to add it, the table in quantize/source/arch.py needs: "
                                           f"{table_lacks(config, first.trust_remote_code)}") from None
+        lap("config")
         for r in recipes:  # the GPUs the recipe must serve on: from the config alone, before the weight files
             check_targets(r, config, arch, is_skipped)
         source.check_weights(src)
         integrity.check_tensors(src, config, arch, first.trust_remote_code)
         if not any(methods.get(r.method).calibrates for r in recipes):  # calibration loads it otherwise
             source.load_tokenizer(src, first.trust_remote_code)  # an artifact without a usable tokenizer is refused
+        lap("checkpoint")
         plans = [_plan_and_log(r, config, arch, table=run) for r in recipes]
+        lap("plan")
         if before_weights is not None:
             before_weights(recipes, source.load_tokenizer(src, first.trust_remote_code))
+            lap("eval inputs")
         device = pick_device(first)
         for r in recipes:
             check_kernels(r, device)
         compute_dtype = pick_compute_dtype(first, device)
+        lap("device")
     samples = calib_record = None
     if any(methods.get(r.method).calibrates for r in recipes):
         # before the disk estimate, which grows with n_samples: an absurd sample count is refused as one
@@ -332,6 +355,7 @@ def _write_all(recipes, jobs, pf: Checked, outs: list[Path], model, timings: Tim
     if runlog is not None:  # export: every artifact's (each manifest has its own)
         runlog.stages.update(timings.stages, export=round(time.perf_counter() - t_export, 3))
         runlog.export_parts = parts
+        runlog.preflight_parts = dict(timings.parts.get("preflight", {}))
         runlog.device.update(device=str(device), compute_dtype=str(compute_dtype).removeprefix("torch."),
                              cuda_allocator=pf.cuda_allocator)
         if device.type == "cuda":

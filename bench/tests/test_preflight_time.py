@@ -52,3 +52,21 @@ def test_same_process_calls_report_each_pre_flight(tmp_path):
     calls = json.loads(p.stdout.strip().splitlines()[-1])
     assert len(calls) == 2 and all(c["preflight_s"] >= 0 and c["call_s"] > 0 for c in calls)
     assert (tmp_path / "s" / "plan-0.json").is_file() and (tmp_path / "s" / "plan-1.json").is_file()
+
+
+def test_the_stage_parts_line_is_read_back(caplog):
+    """The record's parts come from the line `runner.Timings` logs at the end of a stage with laps."""
+    import logging
+
+    from bench.preflight_time import parts
+    from quantize.runner import Timings
+
+    t = Timings()
+    with caplog.at_level(logging.INFO, logger="quantize.runner"), t.stage("preflight"):
+        lap = t.laps("preflight")
+        lap("config")
+        lap("eval inputs")
+        lap("config")  # a part met twice adds up
+    assert list(t.parts["preflight"]) == ["config", "eval inputs"]
+    assert parts(caplog.text) == {k: round(v, 1) for k, v in t.parts["preflight"].items()}
+    assert parts("stage preflight: done in 3.4 s\n") == {}

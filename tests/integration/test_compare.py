@@ -33,6 +33,9 @@ def test_shared_pass_writes_the_same_bytes_as_separate_runs(tiny_qwen2, tmp_path
     g32, g64 = (sizes(d, 4) for d in shared[:2])
     assert g32["bits_per_weight"] > g64["bits_per_weight"] > 4  # scales + zeros cost more at smaller groups
     assert list(runlog.stages) == ["preflight", "calibrate", "load", "quantize", "export"]
+    # pre-flight's parts (no caller's eval check here), in order, within the stage's own seconds
+    assert list(runlog.preflight_parts) == ["config", "checkpoint", "plan", "device"]
+    assert sum(runlog.preflight_parts.values()) <= runlog.stages["preflight"] + 1e-3 * 5
     assert [r.index for r in runlog.layers] == [0, 1]
     for r in runlog.layers:
         assert r.seconds > 0 and set(r.parts) == {"to_device", "fp_forward", "jobs"}
