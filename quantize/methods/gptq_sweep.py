@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -48,7 +47,7 @@ class GptqSpec:
 
 def spec_json(spec: GptqSpec) -> dict:
     """The spec as JSON values (the Triton warm-up's side process rebuilds it with `spec_from_json`)."""
-    return {**dataclasses.asdict(spec), "scale_dtype": str(spec.scale_dtype).removeprefix("torch.")}
+    return {**asdict(spec), "scale_dtype": str(spec.scale_dtype).removeprefix("torch.")}
 
 
 def spec_from_json(d: dict) -> GptqSpec:
