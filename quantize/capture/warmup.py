@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 ENV = "QUANTIZE_TRITON_WARMUP"  # off: no side process
 WAIT_BUDGET_S = 120.0  # the run waits for the side process at most this long in all, then compiles on its own
+FINISH_S = 10.0  # a side process with every key released has this long to write its last line
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # holds the `quantize` package, for the child's sys.path
 
 
@@ -110,6 +111,13 @@ class Warmup:
         self.waited += time.perf_counter() - t0
 
     def stop(self) -> None:
+        """End the side process: one that has released every key has only its `done` line left to write and is let
+        finish (FINISH_S at most), so the run's log gives its seconds; one still compiling is killed."""
+        if self.proc is not None and self.proc.poll() is None and all(e.is_set() for e in self.ready.values()):
+            try:
+                self.proc.wait(timeout=FINISH_S)
+            except subprocess.TimeoutExpired:
+                pass
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
         if self.proc is not None:

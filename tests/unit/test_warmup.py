@@ -162,7 +162,7 @@ def test_the_process_compiles_and_reports_each_key(monkeypatch):
     for key in ("awq_fq_triton:128", "awq_clip_triton:128", "no_such_kernel:7"):
         w.wait(key)
         assert w.ready[key].is_set()
-    w.stop()
+    w.stop()  # its last key comes before its seconds: stop() lets a process with every key released finish
     assert w.compiled_s is not None and w.compiled_s > 0
     assert len(w.failed) == 1 and w.failed[0].startswith("no_such_kernel:7 ModuleNotFoundError")
 
@@ -170,6 +170,22 @@ def test_the_process_compiles_and_reports_each_key(monkeypatch):
 class _Hung(warmup.Warmup):
     def command(self):
         return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+class _SlowLastLine(warmup.Warmup):
+    def command(self):
+        return [sys.executable, "-c", "import sys, time; sys.stdin.read(); "
+                "print('ready awq_fq_triton:64', flush=True); time.sleep(1); print('done 1.5', flush=True)"]
+
+
+def test_a_process_with_every_key_released_is_let_finish():
+    """stop() at the end of a run does not kill a process that has only its last line left to write: the log
+    gets its seconds."""
+    w = _SlowLastLine([{"module": "awq_fq_triton", "group": 64}])
+    w.start()
+    w.wait("awq_fq_triton:64")
+    w.stop()
+    assert w.compiled_s == 1.5 and w.proc.returncode == 0
 
 
 def test_a_slow_process_is_left_behind(monkeypatch):
