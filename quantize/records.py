@@ -212,6 +212,7 @@ class Manifest(Record):
     versions: dict[str, Any] | None = None  # package -> version where it was quantized
     git: dict[str, Any] | None = None
     timings_s: dict[str, Num] | None = None
+    stage_parts_s: dict[str, dict[str, Num]] | None = None  # stage -> part -> seconds (`runner.Timings.laps`)
     pass_seconds: dict[str, Num] | None = None
     distributed: dict[str, Any] | None = None
     expert_plot: str | None = None

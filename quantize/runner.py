@@ -341,7 +341,7 @@ def _write_all(recipes, jobs, pf: Checked, outs: list[Path], model, timings: Tim
     shared = {"variants": [r.name for r in recipes], "pass_s": timings.stages["quantize"],
               "per_variant_s": {j.recipe.name: round(j.seconds, 3) for j in jobs}} if len(jobs) > 1 else None
     run = RunRecord(pf.src, pf.config, tied, device, compute_dtype, storage_dtype, dtype, pf.calib_record, shared,
-                    numerics, pass_seconds, provenance)
+                    numerics, pass_seconds, provenance, {k: dict(v) for k, v in timings.parts.items()})
     t_export = time.perf_counter()
     parts: dict[str, float] = {}
     for job, the_plan, out in zip(jobs, pf.plans, outs):

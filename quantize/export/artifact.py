@@ -41,6 +41,7 @@ class RunRecord:
     numerics: list[str]  # where the pass switched to float32
     pass_seconds: dict[str, float]
     provenance: dict  # versions, git, cuda_allocator
+    stage_parts: dict[str, dict[str, float]]  # the parts of the stages that keep a stopwatch (pre-flight's)
 
 
 def write_artifact(job: Job, the_plan, weights: WeightStream, model, stages: dict, run: RunRecord) -> dict[str, float]:
@@ -109,6 +110,7 @@ def _write(job: Job, the_plan, weights: WeightStream, model, stages: dict, run: 
             "cuda_allocator": run.provenance["cuda_allocator"],
             "versions": run.provenance["versions"], "git": run.provenance["git"],
             "timings_s": {**stages, "export": round(time.perf_counter() - t0, 3)},
+            **({"stage_parts_s": run.stage_parts} if run.stage_parts else {}),
             "pass_seconds": run.pass_seconds,  # the quantize stage's time: device upload, FP forwards, jobs
             **({"distributed": run.provenance["distributed"]} if "distributed" in run.provenance else {}),
         })

@@ -50,6 +50,9 @@ def test_manifest_hashes_every_file(llama_artifact):
         assert sha256_file(llama_artifact / name) == rec["sha256"]
     assert m["calibration"]["source"].endswith("groups-merged.txt") and len(m["calibration"]["sha256"]) == 64
     assert {"preflight", "load", "calibrate", "quantize"} <= set(m["timings_s"])
+    parts = m["stage_parts_s"]["preflight"]  # the parts the log's `stage preflight:` line shows
+    assert {"config", "checkpoint", "plan", "device"} <= set(parts)
+    assert 0 < sum(parts.values()) <= m["timings_s"]["preflight"] + 0.01
     assert m["versions"]["torch"] and "commit" in m["git"]
     assert m["device"] == "cpu" and m["cuda_allocator"] is None  # CUDA runs record their allocator settings
     assert m["quantized_modules"] == 14
