@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
@@ -49,32 +48,25 @@ def model_files(path: Path) -> list[Path]:
 CHUNK = 1 << 28  # 256 MiB: a 15 GB checkpoint is hashed as ~60 pieces in parallel
 
 
-class HashStopped(Exception):
-    """`model_sha256` was told to stop (its caller no longer needs the digest)."""
-
-
-def _chunk_sha256(job: tuple[Path, int], stop: threading.Event | None = None) -> str:
+def _chunk_sha256(job: tuple[Path, int]) -> str:
     path, offset = job
     h = hashlib.sha256()
     with open(path, "rb") as f:
         f.seek(offset)
         left = CHUNK
         while left and (block := f.read(min(1 << 22, left))):
-            if stop is not None and stop.is_set():
-                raise HashStopped(str(path))
             h.update(block)
             left -= len(block)
     return h.hexdigest()
 
 
-def model_sha256(path: Path, workers: int = 16, stop: threading.Event | None = None) -> str:
+def model_sha256(path: Path) -> str:
     """One sha256 over the model's files: each file cut into 256 MiB pieces hashed in parallel threads (hashlib
-    releases the GIL; a 7B checkpoint is 15 GB), then the names, sizes and piece digests hashed in order.
-    workers: at most this many threads; stop: once set, the hashing ends with HashStopped."""
+    releases the GIL; a 7B checkpoint is 15 GB), then the names, sizes and piece digests hashed in order."""
     files = model_files(path)
     jobs = [(f, off) for f in files for off in range(0, max(f.stat().st_size, 1), CHUNK)]
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, os.cpu_count() or 1))) as pool:
-        digests = list(pool.map(lambda job: _chunk_sha256(job, stop), jobs))
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(_chunk_sha256, jobs))
     h = hashlib.sha256()
     for (f, off), d in zip(jobs, digests):
         h.update(f"{f.name}\0{f.stat().st_size}\0{off}\0{d}\n".encode())

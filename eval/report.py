@@ -27,7 +27,6 @@ from quantize.records import Distribution, LmEval, Manifest, Report
 from . import distribution, lmeval, refcache
 from .artifact import load_dequantized
 from .readable import machine, seconds_text
-from .prepared import Inputs, Prepared
 from .perplexity import EvalInputError, Protocol, batch_windows, load_eval_text, perplexity, protocol_record, windows
 from .smoke import smoke, vllm_unavailable
 
@@ -192,16 +191,13 @@ def _distribution_gates(dist: dict | None, eopts) -> list[str]:
     return out
 
 
-def _context(artifact: Path, base_spec: str, manifest: Manifest | None, compute_dtype, cache: dict | None,
-             ready: Inputs | None = None) -> dict:
+def _context(artifact: Path, base_spec: str, manifest: Manifest | None, compute_dtype, cache: dict | None) -> dict:
     """What every step of one eval shares (and a comparison's variants of one base model reuse): the base
-    model's source, tokenizer and files' sha256, the device, dtype and batch. ready: those made ahead."""
+    model's source, tokenizer and files' sha256, the device, dtype and batch."""
     device = eval_device(manifest)
     served = served_dtype(artifact, manifest)
     dtype = compute_dtype or eval_dtype(device, served)
     shared = cache.setdefault((base_spec, str(device), str(dtype)), {}) if cache is not None else {}
-    if "src" not in shared and ready is not None:
-        shared.update(src=ready.src, tokenizer=ready.tokenizer, model_sha256=ready.model_sha256)
     if "src" not in shared:
         shared["src"] = source.resolve(base_spec)
         shared["tokenizer"] = source.load_tokenizer(shared["src"])
@@ -209,7 +205,7 @@ def _context(artifact: Path, base_spec: str, manifest: Manifest | None, compute_
 
 
 def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.dtype | None = None,
-             cache: dict | None = None, prepared: Prepared | None = None) -> Report:
+             cache: dict | None = None) -> Report:
     """Run the whole eval stage on `artifact` -> the report (`pipeline.stages.evaluate` writes it into the artifact).
 
     On the device that quantized it (CUDA: the artifact's 16-bit dtype; CPU: float32), one model on the device
@@ -217,8 +213,6 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     or its perplexity is not cached), then the decoded artifact.
     cache: pass one dict to several calls on artifacts of the same base model (a comparison) so the base
     model's files are resolved and hashed once.
-    prepared: the inputs that do not depend on the artifact, made while it was quantized (`eval.prepared`); used
-    when they are for this base model and protocol.
     """
     artifact = Path(artifact)
     manifest = manifest_file.read(artifact)
@@ -227,25 +221,19 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
         raise EvalInputError(f"{artifact}: no manifest names its base model; pass --base <model spec>")
     peak_reset = _reset_host_peak()
     timings: dict[str, float] = {}
-    popts = eopts.perplexity
-    ready = prepared.take(base_spec, popts) if prepared is not None else None
-    if ready is not None:
-        timings["inputs_prepared_during_quantize"] = ready.seconds
-    ctx = _context(artifact, base_spec, manifest, compute_dtype, cache, ready)
+    ctx = _context(artifact, base_spec, manifest, compute_dtype, cache)
     device, dtype = ctx["device"], ctx["dtype"]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    popts = eopts.perplexity
     proto = Protocol(dataset=popts.dataset, seq_len=popts.seq_len, max_windows=popts.max_windows)
     # three independent waits side by side: hashing the artifact's shards (verify), the reference's files (the
     # cache key) and tokenizing the eval text; nothing reads the artifact's weights before verify succeeds
     with ThreadPoolExecutor(max_workers=2) as pool:
         verifying = pool.submit(manifest_file.verify, artifact)  # refuses a tampered artifact, naming the file
         hashing = pool.submit(_hash_reference, ctx["shared"], timings)
-        if ready is not None and ctx["tokenizer"] is ready.tokenizer:
-            text, where, wins = ready.text, ready.where, ready.windows
-        else:
-            text, where = load_eval_text(popts.dataset)
-            wins = windows(ctx["tokenizer"], text, proto)
+        text, where = load_eval_text(popts.dataset)
+        wins = windows(ctx["tokenizer"], text, proto)
         verified = verifying.result()
         hashing.result()
     if verified:  # the manifest as verified, for the fingerprint of the files this eval scores

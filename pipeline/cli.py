@@ -120,12 +120,11 @@ def _prog() -> str:
     return "quantize" if Path(sys.argv[0]).name == "quantize" else "python -m pipeline"
 
 
-def run_eval(artifact: Path, base: str | None, eopts, cache: dict | None = None, prepared=None) -> int:
-    """The eval stage on one artifact, its report written into it; prints the figures -> exit code 0 or 3.
-    prepared: its inputs made ahead (`eval.prepared.Prepared`), or None."""
+def run_eval(artifact: Path, base: str | None, eopts, cache: dict | None = None) -> int:
+    """The eval stage on one artifact, its report written into it; prints the figures -> exit code 0 or 3."""
     from . import stages
 
-    r = stages.evaluate(artifact, base, eopts, cache=cache, prepared=prepared)
+    r = stages.evaluate(artifact, base, eopts, cache=cache)
     p = r.perplexity
     print(f"perplexity FP16 {p.fp16.ppl:.4f}  quantized {p.quantized.ppl:.4f}  "
           f"delta {p.delta:+.4f} ({p.delta_pct:+.2f}%)  [{p.protocol.windows} x {p.protocol.seq_len} tokens]")
@@ -236,19 +235,11 @@ def _run_command(args, recipe) -> int:
                 take()
             else:  # a refused lock on rank 0 stops every rank
                 dist.agree(lambda: take() if writer else None)
-            evaluates = recipe.eval.enabled and not args.no_eval
-            ahead: list = []  # the eval's inputs, prepared during the pass where it runs on a GPU (`eval.prepared`)
-
-            def before_weights(recipes, tokenizer):
-                stages.check_eval_inputs(recipes, tokenizer)
-                if dist is None and stages.prepares_eval(recipe):
-                    ahead.append(stages.prepare_eval(recipe))
             try:
+                evaluates = recipe.eval.enabled and not args.no_eval
                 out = runner.run(args.recipe, out_root=args.out, force=args.force, locked=True, dist=dist,
-                                 before_weights=before_weights if evaluates else None)
+                                 before_weights=stages.check_eval_inputs if evaluates else None)
             except BaseException as e:  # noqa: BLE001 - the first failing rank's message is the one to show
-                for p in ahead:
-                    p.stop()
                 if dist is None:
                     raise
                 shown = dist.explain(e)
@@ -258,9 +249,9 @@ def _run_command(args, recipe) -> int:
             if not writer:
                 return 0
             print(out)
-            if evaluates:
+            if recipe.eval.enabled and not args.no_eval:
                 try:
-                    return run_eval(out, None, recipe.eval, prepared=ahead[0] if ahead else None)
+                    return run_eval(out, None, recipe.eval)
                 except RuntimeError as e:
                     e.during_eval = True  # an out-of-memory message then says the artifact was written
                     raise

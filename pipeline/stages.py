@@ -9,31 +9,18 @@ from pathlib import Path
 from quantize import manifest
 from quantize.export import modelcard
 from quantize.files import atomic_write_text
-from quantize.preflight.checks import PreflightError, pick_device
+from quantize.preflight.checks import PreflightError
 from quantize.records import Report
 
 from eval import report as eval_report
 from eval.perplexity import Protocol, load_eval_text, windows
-from eval.prepared import Prepared
 
 
-def evaluate(artifact: Path, base: str | None, eopts, cache: dict | None = None,
-             prepared: Prepared | None = None) -> Report:
+def evaluate(artifact: Path, base: str | None, eopts, cache: dict | None = None) -> Report:
     """The eval stage on `artifact` (see `eval.report.evaluate`), its report written into the artifact -> report."""
-    report = eval_report.evaluate(artifact, base, eopts, cache=cache, prepared=prepared)
+    report = eval_report.evaluate(artifact, base, eopts, cache=cache)
     write_report(Path(artifact), report)
     return report
-
-
-def prepares_eval(recipe) -> bool:
-    """Whether a run of `recipe` prepares its eval's inputs during the pass: where it runs on a GPU (the host's
-    cores are then free; on the CPU the pass uses them all, see `eval.prepared`)."""
-    return pick_device(recipe).type == "cuda"
-
-
-def prepare_eval(recipe) -> Prepared:
-    """Start preparing the eval inputs of `recipe`'s artifact that do not depend on it (`eval.prepared`)."""
-    return Prepared(recipe.model, recipe.eval.perplexity)
 
 
 def check_eval_inputs(recipes, tokenizer) -> None:
