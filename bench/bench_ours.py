@@ -38,7 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from pipeline import bytecode, deferred  # noqa: E402
 
 BYTECODE = bytecode.prepare()  # before torch, as `python -m pipeline run` does
-deferred.defer_sklearn()  # before transformers, as `python -m pipeline run` does
+deferred.defer_imports()  # before transformers, as `python -m pipeline run` does
 
 import torch  # noqa: E402
 

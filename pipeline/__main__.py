@@ -1,6 +1,6 @@
 """`python -m pipeline` and the `quantize` command. The bytecode cache is prepared before the command line's own
-imports (pydantic, yaml) and long before torch's (`pipeline.bytecode`); scikit-learn, which transformers imports
-for a feature no command uses, waits until something calls it (`pipeline.deferred`)."""
+imports (pydantic, yaml) and long before torch's (`pipeline.bytecode`); scikit-learn and SciPy, which transformers
+imports for features no command uses, wait until something calls them (`pipeline.deferred`)."""
 
 import sys
 
@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:  # before the command line exists, so answered here the way it answers
         print(f"error: {e}", file=sys.stderr)
         return 2
-    deferred.defer_sklearn()
+    deferred.defer_imports()
     from .cli import main as cli_main
 
     return cli_main(argv)
