@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pipeline import bytecode, deferred  # noqa: E402
+from pipeline.__main__ import exit_now  # noqa: E402
 
 BYTECODE = bytecode.prepare()  # before torch, as `python -m pipeline run` does
 deferred.defer_imports()  # before transformers, as `python -m pipeline run` does
@@ -160,3 +161,4 @@ if __name__ == "__main__":
     main()
     if distributed.world_size() > 1:  # a torchrun worker: see `distributed.leave`
         distributed.leave(0)
+    exit_now(0)  # as `python -m pipeline run` ends: no module teardown after the record
