@@ -43,3 +43,23 @@ def test_config_without_weights_says_no_weight_files_were_found(tmp_path):
     with pytest.raises(source.ModelSourceError, match=r"no weight files were found in .*m \(no \*\.safetensors") as e:
         source.check_weights(src)
     assert "pickle" not in str(e.value).lower()
+
+
+def test_a_tokenizer_is_loaded_once_while_its_files_are_unchanged(tmp_path):
+    """A run asks for its base model's tokenizer three times; the same object comes back until a tokenizer file
+    changes, and a broken rewrite is still refused with the usual message."""
+    import os
+
+    from tests.conftest import build_tiny_model
+
+    src = source.resolve(str(build_tiny_model(tmp_path / "m", "llama")))
+    first = source.load_tokenizer(src)
+    assert source.load_tokenizer(src) is first
+    assert first("hello world")["input_ids"] == source.load_tokenizer(src)("hello world")["input_ids"]
+    tj = src.path / "tokenizer.json"
+    os.utime(tj, ns=(tj.stat().st_atime_ns, tj.stat().st_mtime_ns + 1_000_000))  # touched: loaded again
+    again = source.load_tokenizer(src)
+    assert again is not first and again("hello world")["input_ids"] == first("hello world")["input_ids"]
+    tj.write_text("{ not json")
+    with pytest.raises(source.ModelSourceError, match="the tokenizer in .* cannot be loaded"):
+        source.load_tokenizer(src)
