@@ -3,12 +3,16 @@ in a fresh process, on a directory of the Qwen2.5-7B shape whose weight files ho
 (the data is a sparse hole: pre-flight reads headers, never weights, so a 15 GB directory costs no disk).
 
     python bench/preflight_time.py [--config bench/configs/qwen2.5-7b] [--runs 3] [--json OUT.json]
+                                   [--against DIR]
 
 The recipe is the shipped qwen7b-awq-g128 with `model` pointing at that directory and `device: cpu`. Each run's
 `stage preflight` seconds (from its log) and process wall seconds are recorded. `--same-process N` adds one more
 process that runs the same pre-flight N times in a row: its first call pays the imports as a run does, the later
 ones show what pre-flight's own checks cost once transformers and torch are imported. The first run may also fill the
 deploy table's cache (vLLM's kernel selection, asked once per vLLM version); it is reported, not dropped.
+`--against DIR` times another tree of this repository the same way (e.g. `git archive REV | tar -x -C DIR`), with
+the same venv and directory, its runs alternating with this tree's (the other tree first each round), so that a
+busy machine weighs on both alike; the record gets its runs under `against`.
 """
 
 from __future__ import annotations
@@ -99,6 +103,21 @@ def parts(log: str) -> dict[str, float]:
     return {k.strip(): float(v) for k, v in re.findall(r"([a-z ]+) ([\d.]+) s", m.group(1))} if m else {}
 
 
+def one_run(tree: Path, recipe: Path, work: Path, i: int, label: str) -> dict:
+    """`python -m pipeline preflight` of `recipe` in a fresh process, with `tree` as the code -> the run's figures."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(tree)}
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "pipeline", "preflight", str(recipe), "--out", str(work / "a"),
+                        "--json", str(work / f"plan-{i}.json")], env=env, cwd=tree, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    m = re.search(r"stage preflight: done in ([\d.]+) s", p.stdout + p.stderr)
+    if p.returncode != 0 or m is None:
+        sys.exit(f"error: pre-flight {label} failed (exit {p.returncode}): {(p.stderr or p.stdout)[-800:]}")
+    run = {"preflight_s": float(m.group(1)), "process_s": round(wall, 2), "parts_s": parts(p.stdout + p.stderr)}
+    print(f"{label}: stage preflight {m.group(1)} s, process {wall:.1f} s, {run['parts_s']}", flush=True)
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=ROOT / "bench" / "configs" / "qwen2.5-7b")
@@ -106,7 +125,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--same-process", type=int, default=0, metavar="N",
                     help="also run pre-flight N times in one process (0: not)")
+    ap.add_argument("--against", type=Path, default=None, metavar="DIR",
+                    help="another tree of this repository, timed alternately with this one")
     args = ap.parse_args()
+    if args.against and not (args.against / "pipeline" / "__main__.py").is_file():
+        sys.exit(f"error: --against {args.against} holds no pipeline/__main__.py; give a tree of this repository "
+                 f"(git archive REV | tar -x -C DIR)")
     with tempfile.TemporaryDirectory(prefix="preflight-time-") as work_s:
         work = Path(work_s)
         ckpt = headers_only(args.config, work / "ckpt")
@@ -115,21 +139,11 @@ def main() -> None:
         path = work / "qwen7b-awq-g128.yaml"
         path.write_text(yaml.safe_dump(recipe, sort_keys=False))
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-        runs = []
+        runs, against = [], []
         for i in range(args.runs):
-            t0 = time.perf_counter()
-            p = subprocess.run([sys.executable, "-m", "pipeline", "preflight", str(path), "--out", str(work / "a"),
-                                "--json", str(work / f"plan-{i}.json")], env=env, cwd=ROOT, capture_output=True,
-                               text=True)
-            wall = time.perf_counter() - t0
-            m = re.search(r"stage preflight: done in ([\d.]+) s", p.stdout + p.stderr)
-            if p.returncode != 0 or m is None:
-                tail = (p.stderr or p.stdout)[-800:]
-                sys.exit(f"error: pre-flight run {i + 1} failed (exit {p.returncode}): {tail}")
-            runs.append({"preflight_s": float(m.group(1)), "process_s": round(wall, 2),
-                         "parts_s": parts(p.stdout + p.stderr)})
-            print(f"run {i + 1}: stage preflight {m.group(1)} s, process {wall:.1f} s, {runs[-1]['parts_s']}",
-                  flush=True)
+            if args.against:
+                against.append(one_run(args.against, path, work, i, f"{args.against} run {i + 1}"))
+            runs.append(one_run(ROOT, path, work, i, f"run {i + 1}"))
         same = []
         if args.same_process:
             (work / "s").mkdir()
@@ -148,6 +162,10 @@ def main() -> None:
               else str(args.config), "checkpoint": ckpt, "runs": runs}
     if same:
         record["same_process"] = same
+    if against:
+        other = subprocess.run(["git", "log", "-1", "--format=%h"], cwd=args.against, capture_output=True,
+                               text=True).stdout.strip()
+        record["against"] = {"dir": str(args.against), "commit": other or None, "runs": against}
     print(json.dumps(record))
     if args.json:
         args.json.write_text(json.dumps(record, indent=2) + "\n")
