@@ -427,7 +427,9 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     A run asks for its base model's tokenizer up to three times (pre-flight's check of the eval's text, calibration,
     the eval), and each load parses tokenizer.json anew (0.37 s for a 3.5 MB one on the 2-core CPU box). The last
     two tokenizers loaded are kept and handed out again while the directory's tokenizer files (with custom code,
-    its .py files too) keep their names, sizes and mtimes. No caller changes the tokenizer it is given."""
+    its .py files too) keep their names, sizes and mtimes. Nothing a caller reads is changed on it: lm-eval's
+    wrapper sets a pad token where there is none, for its own batches; calibration and the perplexity windows
+    tokenize without padding."""
     names = TOKENIZER_FILES + (tuple(sorted(p.name for p in source.path.glob("*.py"))) if trust_remote_code else ())
     stamp = tuple((n, st.st_size, st.st_mtime_ns) for n in names if (st := _stat(source.path / n)) is not None)
     return _tokenizer(source.spec, str(source.path), trust_remote_code, stamp)
