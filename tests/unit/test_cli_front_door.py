@@ -60,9 +60,11 @@ def test_a_user_error_is_one_line_and_exit_2_and_anything_else_keeps_its_traceba
 
 @pytest.mark.parametrize("argv", [["--help"], ["list"], ["validate"], ["validate", "smollm2-awq-g64"]])
 def test_the_light_commands_import_no_torch(argv):
-    probe = ("import runpy, sys\n"
+    # the command's own function: `python -m pipeline` runs it, then ends the process (tests/unit/test_exit.py)
+    probe = ("import sys\n"
              f"sys.argv = ['quantize', *{argv!r}]\n"
-             "try:\n    runpy.run_module('pipeline', run_name='__main__')\n"
+             "from pipeline.__main__ import main\n"
+             "try:\n    code = main()\n"
              "except SystemExit as e:\n    code = e.code\n"
              "heavy = sorted(m for m in ('torch', 'transformers', 'vllm', 'mlflow') if m in sys.modules)\n"
              "print('HEAVY', heavy, 'CODE', code, file=sys.stderr)\n")
