@@ -115,11 +115,7 @@ class _Loader(importlib.abc.Loader):
         check = f"is_{self.lib}_available"
         utils = sys.modules.get("transformers.utils")
         real = getattr(utils, check, None)
-        try:
-            source = self.inner.get_source(module.__name__)
-            names = imported_names(source, self.lib) if source else None
-        except (ImportError, OSError, SyntaxError, UnicodeDecodeError):
-            names = None
+        names = _names_from(self.inner, module.__name__, self.lib)
         if real is None or not names:
             self.inner.exec_module(module)
             return
@@ -130,9 +126,10 @@ class _Loader(importlib.abc.Loader):
         finally:
             setattr(utils, check, real)
             # a module first imported while this one ran saw the library absent too: it is mended the same way
-            for other in [sys.modules.get(n) for n in set(sys.modules) - before if n != module.__name__]:
+            for n in set(sys.modules) - before - {module.__name__}:
+                other = sys.modules.get(n)
                 if other is not None and vars(other).get(check) is _absent:
-                    _mend(other, check, real, _names_of(other, self.lib))
+                    _mend(other, check, real, _names_from(getattr(other, "__loader__", None), n, self.lib) or {})
         _mend(module, check, real, names)
 
     def __getattr__(self, name):  # get_source, get_filename, is_package ...: the module's own loader answers
@@ -141,13 +138,13 @@ class _Loader(importlib.abc.Loader):
         return getattr(self.inner, name)
 
 
-def _names_of(module, lib: str) -> dict[str, tuple[str, str]]:
-    loader = getattr(module, "__loader__", None)
+def _names_from(loader, fullname: str, lib: str) -> dict[str, tuple[str, str]] | None:
+    """`imported_names` of the module's source as its loader reads it; None where there is no readable source."""
     try:
-        source = loader.get_source(module.__name__) if loader is not None else None
-        return (imported_names(source, lib) or {}) if source else {}
+        source = loader.get_source(fullname) if loader is not None else None
+        return imported_names(source, lib) if source else None
     except (ImportError, OSError, SyntaxError, UnicodeDecodeError):
-        return {}
+        return None
 
 
 def _mend(module, check: str, real, names: dict[str, tuple[str, str]]) -> None:
