@@ -10,7 +10,7 @@ The recipe is the shipped qwen7b-awq-g128 with `model` pointing at that director
 process that runs the same pre-flight N times in a row: its first call pays the imports as a run does, the later
 ones show what pre-flight's own checks cost once transformers and torch are imported. The first run may also fill the
 deploy table's cache (vLLM's kernel selection, asked once per vLLM version); it is reported, not dropped.
-`--against DIR` times another tree of this repository the same way (e.g. `git archive REV | tar -x -C DIR`), with
+`--against DIR` times another tree of this repository the same way (e.g. `git worktree add --detach DIR REV`), with
 the same venv and directory, its runs alternating with this tree's (the other tree first each round), so that a
 busy machine weighs on both alike; the record gets its runs under `against`.
 """
@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.build_checkpoint import copy_tokenizer, shaped_config  # noqa: E402
+from bench.process_ab import check_tree, commit, fail, timed  # noqa: E402
 
 SHARDS = 4
 
@@ -105,15 +106,12 @@ def parts(log: str) -> dict[str, float]:
 
 def one_run(tree: Path, recipe: Path, work: Path, i: int, label: str) -> dict:
     """`python -m pipeline preflight` of `recipe` in a fresh process, with `tree` as the code -> the run's figures."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(tree)}
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "pipeline", "preflight", str(recipe), "--out", str(work / "a"),
-                        "--json", str(work / f"plan-{i}.json")], env=env, cwd=tree, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    m = re.search(r"stage preflight: done in ([\d.]+) s", p.stdout + p.stderr)
-    if p.returncode != 0 or m is None:
-        sys.exit(f"error: pre-flight {label} failed (exit {p.returncode}): {(p.stderr or p.stdout)[-800:]}")
-    run = {"preflight_s": float(m.group(1)), "process_s": round(wall, 2), "parts_s": parts(p.stdout + p.stderr)}
+    wall, log = timed(tree, ["preflight", str(recipe), "--out", str(work / "a"), "--json", str(work / f"plan-{i}.json")],
+                      f"pre-flight {label}")
+    m = re.search(r"stage preflight: done in ([\d.]+) s", log)
+    if m is None:
+        fail(f"pre-flight {label} logged no `stage preflight: done`: {log[-800:]}")
+    run = {"preflight_s": float(m.group(1)), "process_s": wall, "parts_s": parts(log)}
     print(f"{label}: stage preflight {m.group(1)} s, process {wall:.1f} s, {run['parts_s']}", flush=True)
     return run
 
@@ -128,9 +126,8 @@ def main() -> None:
     ap.add_argument("--against", type=Path, default=None, metavar="DIR",
                     help="another tree of this repository, timed alternately with this one")
     args = ap.parse_args()
-    if args.against and not (args.against / "pipeline" / "__main__.py").is_file():
-        sys.exit(f"error: --against {args.against} holds no pipeline/__main__.py; give a tree of this repository "
-                 f"(git archive REV | tar -x -C DIR)")
+    if args.against:
+        check_tree(args.against)
     with tempfile.TemporaryDirectory(prefix="preflight-time-") as work_s:
         work = Path(work_s)
         ckpt = headers_only(args.config, work / "ckpt")
@@ -154,18 +151,14 @@ def main() -> None:
             same = json.loads(p.stdout.strip().splitlines()[-1])
             for i, c in enumerate(same):
                 print(f"same process, call {i + 1}: stage preflight {c['preflight_s']} s, call {c['call_s']} s")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    record = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "machine": platform.machine(),
+    record = {"date": time.strftime("%Y-%m-%d"), "commit": commit(ROOT), "machine": platform.machine(),
               "cpus": os.cpu_count(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "config": str(args.config.resolve().relative_to(ROOT)) if args.config.resolve().is_relative_to(ROOT)
               else str(args.config), "checkpoint": ckpt, "runs": runs}
     if same:
         record["same_process"] = same
     if against:
-        other = subprocess.run(["git", "log", "-1", "--format=%h"], cwd=args.against, capture_output=True,
-                               text=True).stdout.strip()
-        record["against"] = {"dir": str(args.against), "commit": other or None, "runs": against}
+        record["against"] = {"dir": str(args.against), "commit": commit(args.against), "runs": against}
     print(json.dumps(record))
     if args.json:
         args.json.write_text(json.dumps(record, indent=2) + "\n")

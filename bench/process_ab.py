@@ -21,20 +21,39 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def one(tree: Path, args: list[str], label: str) -> dict:
+def fail(message: str) -> NoReturn:
+    """A one-line `error:` on stderr and exit 2, as the command line answers a user's mistake."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_tree(tree: Path) -> None:
+    """Refuse a directory that is no tree of this repository, saying how to make one."""
+    if not (tree / "pipeline" / "__main__.py").is_file():
+        fail(f"--against {tree} holds no pipeline/__main__.py; give a tree of this repository "
+                 f"(git worktree add --detach DIR REV)")
+
+
+def timed(tree: Path, args: list[str], label: str) -> tuple[float, str]:
+    """`python -m pipeline ARGS` in a fresh process with `tree` as the code -> (wall seconds, its output)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     env.setdefault("HF_HUB_OFFLINE", "1")
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "pipeline", *args], env=env, cwd=tree, capture_output=True, text=True)
     wall = round(time.perf_counter() - t0, 2)
     if p.returncode != 0:
-        sys.exit(f"error: {label} exited {p.returncode}: {(p.stderr or p.stdout)[-1500:]}")
-    stages = {m.group(1): float(m.group(2))
-              for m in re.finditer(r"stage (\w+): done in ([\d.]+) s", p.stdout + p.stderr)}
+        fail(f"{label} exited {p.returncode}: {(p.stderr or p.stdout)[-1500:]}")
+    return wall, p.stdout + p.stderr
+
+
+def one(tree: Path, args: list[str], label: str) -> dict:
+    wall, log = timed(tree, args, label)
+    stages = {m.group(1): float(m.group(2)) for m in re.finditer(r"stage (\w+): done in ([\d.]+) s", log)}
     print(f"{label}: {wall} s, stages {stages}", flush=True)
     return {"wall_s": wall, "stages_s": stages}
 
@@ -58,10 +77,10 @@ def main() -> None:
     args = ap.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        sys.exit("error: give the command after --, e.g. -- run RECIPE --out DIR --force")
-    if not (args.against / "pipeline" / "__main__.py").is_file():
-        sys.exit(f"error: --against {args.against} holds no pipeline/__main__.py; give a tree of this repository "
-                 f"(git worktree add --detach DIR REV)")
+        fail("give the command after --, e.g. -- run RECIPE --out DIR --force")
+    if args.runs < 1:
+        fail(f"--runs {args.runs}: give at least 1")
+    check_tree(args.against)
     this, other = [], []
     for i in range(args.runs):
         other.append(one(args.against, command, f"{args.against} run {i + 1}"))
