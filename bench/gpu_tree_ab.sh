@@ -43,15 +43,20 @@ for item in $RUNS; do
     recipe="$WORK/r/bench-$method.yaml"
     printf 'name: bench-%s\nbase: %s\nmodel: %s\ndevice: cuda\ncalibration: {n_samples: 128, seq_len: 512}\n' \
         "$method" "$dir/bench/recipes/bench-$method-g128.yaml" "$WORK/ckpt/qwen2.5-7b" > "$recipe"
+    t0=$(date +%s.%N)
     (cd "$dir" && export QUANTIZE_TRITON_WARMUP=$warm ${tc:+TRITON_CACHE_DIR=$tc} && $PY bench/bench_ours.py "$recipe" \
         --out-root "$WORK/art-$tree" --json "$WORK/json/$n-$tree-$method.json" > "$WORK/logs/$n-$tree-$method.log" 2>&1)
-    echo "run $n $tree $method: exit $? $(grep -o '"process_s": [0-9.]*' "$WORK/json/$n-$tree-$method.json" 2>/dev/null)"
-    $PY - "$WORK/json/$n-$tree-$method.json" "$WORK/logs/$n-$tree-$method.log" "$tc" <<'EOF'
+    rc=$?; t1=$(date +%s.%N)
+    echo "run $n $tree $method: exit $rc $(grep -o '"process_s": [0-9.]*' "$WORK/json/$n-$tree-$method.json" 2>/dev/null)"
+    $PY - "$WORK/json/$n-$tree-$method.json" "$WORK/logs/$n-$tree-$method.log" "$tc" "$t0" "$t1" <<'EOF'
 import json, sys
 from pathlib import Path
 rec, logf, tc = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 if rec.exists():
     r = json.loads(rec.read_text())
+    # the shell's clock around the process: its start to its end, the interpreter's exit included (process_s is
+    # taken inside the process, before the exit)
+    r["shell_wall_s"] = round(float(sys.argv[5]) - float(sys.argv[4]), 2)
     r["triton_warmup_log"] = [l.strip() for l in logf.read_text().splitlines() if "Triton warm-up" in l]
     if tc:  # one directory per compiled kernel (its key's hash)
         r["triton_cache_entries"] = sum(1 for p in Path(tc).rglob("*") if p.is_dir() and p.parent == Path(tc))
@@ -75,7 +80,9 @@ src, out = Path(sys.argv[1]), Path(sys.argv[2])
 runs = {p.stem: json.loads(p.read_text()) for p in sorted(src.glob("*.json"), key=lambda p: p.stem)}
 for k, r in runs.items():
     if "stages_s" in r:
-        print(k, "process", r["process_s"], "stages", r["stages_s"], "export parts", r["runlog"].get("export_parts"))
+        print(k, "process", r["process_s"], "shell wall", r.get("shell_wall_s"), "stages", r["stages_s"],
+              "preflight parts", r.get("preflight_parts_s"), "first layer", (r.get("per_layer") or {}).get("seconds", [None])[0],
+              "export parts", r["runlog"].get("export_parts"))
 out.write_text(json.dumps(runs, indent=1) + "\n")
 EOF
 tar -czf "$OUT/ab.tar.gz" -C "$WORK" logs

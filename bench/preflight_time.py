@@ -135,7 +135,8 @@ def main() -> None:
         recipe.update(model=str(work / "ckpt"), device="cpu")
         path = work / "qwen7b-awq-g128.yaml"
         path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1",
+               "PYTHONPATH": os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)}
         runs, against = [], []
         for i in range(args.runs):
             if args.against:

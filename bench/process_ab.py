@@ -41,7 +41,8 @@ def check_tree(tree: Path) -> None:
 
 def timed(tree: Path, args: list[str], label: str) -> tuple[float, str]:
     """`python -m pipeline ARGS` in a fresh process with `tree` as the code -> (wall seconds, its output)."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # the tree first on the path, anything already there (e.g. wheels unpacked on a GPU host) after it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (str(tree), os.environ.get("PYTHONPATH")) if x)}
     env.setdefault("HF_HUB_OFFLINE", "1")
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "pipeline", *args], env=env, cwd=tree, capture_output=True, text=True)
