@@ -48,7 +48,8 @@ def write_artifact(job: Job, the_plan, weights: WeightStream, model, stages: dic
     """Finish one job's artifact directory (`weights.directory`, its weights written by `weights` during the pass
     or now) and commit it atomically (timed into its manifest) -> the seconds of export's parts: weights (what
     was left of packing and writing them, NaN/inf refused), files (config, tokenizer), card (plots, model card,
-    manifest record), seal (hashes, fsync, rename)."""
+    manifest record), seal (hashes, fsync, rename), and replaced (removing the previous artifact that --force
+    replaced, where there was one)."""
     recipe = job.recipe
     t0 = time.perf_counter()
     errors = {str(k): v for k, v in job.errors.items()}
@@ -125,7 +126,9 @@ def _write(job: Job, the_plan, weights: WeightStream, model, stages: dict, run: 
         return extras
 
     directory.commit(fill(directory.tmp))
-    parts["seal"] = time.perf_counter() - t0 - sum(parts.values())
+    parts["seal"] = time.perf_counter() - t0 - sum(parts.values()) - directory.replaced_s
+    if directory.replaced_s:
+        parts["replaced"] = directory.replaced_s
     parts = {k: round(v, 3) for k, v in parts.items()}
     log.info("wrote %s (%s); export: %s", directory.out, ", ".join(f"{k} {v:.1f}s" for k, v in stages.items()),
              ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()))
