@@ -288,20 +288,22 @@ def int4_kernel_missing() -> str | None:
     entry = cache_dir() / "vllm-int4" / f"{key}.json" if key is not None else None
     try:
         if entry is not None and entry.is_file():
-            return json.loads(entry.read_text())["missing"]
+            kernel = json.loads(entry.read_text())["int4_kernel"]
+            if isinstance(kernel, bool):
+                return None if kernel else INT4_MISSING
     except (OSError, ValueError, KeyError, TypeError):
         pass  # unreadable or damaged: asked again below, and rewritten
     with tempfile.TemporaryDirectory() as work:
         r = subprocess.run([sys.executable, "-c", INT4_PROBE], env=vllm_env(Path(work)), capture_output=True,
                            text=True)
-    missing = None if r.stdout.strip().endswith("True") else INT4_MISSING
+    kernel = r.stdout.strip().endswith("True")
     if entry is not None and r.returncode == 0:  # a probe that failed is not remembered
         try:
             entry.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(entry, json.dumps({"missing": missing}) + "\n")
+            atomic_write_text(entry, json.dumps({"int4_kernel": kernel}) + "\n")
         except OSError as e:
             log.debug("the 4-bit kernel probe's answer is not cached (%s)", e)
-    return missing
+    return None if kernel else INT4_MISSING
 
 
 def _probe_key() -> str | None:

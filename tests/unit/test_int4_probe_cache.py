@@ -33,12 +33,15 @@ def test_answer_kept_and_read_by_a_later_call(probe, tmp_path):
     assert call() == serve.INT4_MISSING and len(calls) == 1
     assert call() == serve.INT4_MISSING and len(calls) == 1  # read from the cache, no child
     entry = tmp_path / "vllm-int4" / "k.json"
-    assert json.loads(entry.read_text()) == {"missing": serve.INT4_MISSING}
+    assert json.loads(entry.read_text()) == {"int4_kernel": False}
     entry.write_text("{damaged")
     answers[:] = [(0, "True\n")]
     assert call() is None and len(calls) == 2  # a damaged entry is asked again and rewritten
-    assert json.loads(entry.read_text()) == {"missing": None}
+    assert json.loads(entry.read_text()) == {"int4_kernel": True}
     assert call() is None and len(calls) == 2
+    entry.write_text('{"int4_kernel": "yes"}')  # not an answer this code wrote: asked again
+    answers[:] = [(0, "False\n")]
+    assert call() == serve.INT4_MISSING and len(calls) == 3
 
 
 def test_a_failed_probe_is_not_remembered(probe, tmp_path):
