@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
+from importlib.util import find_spec
 from pathlib import Path
 
 import httpx
@@ -310,9 +312,6 @@ def _probe_key() -> str | None:
     """What the 4-bit kernel probe's answer depends on, hashed: vLLM's distribution and version, where its package
     is and when it was installed, torch's version, this interpreter, the processor's feature flags (which of vLLM's
     CPU libraries loads) and the probe itself -> a file name; None where vLLM is not importable."""
-    from importlib import metadata
-    from importlib.util import find_spec
-
     spec = find_spec("vllm")
     if spec is None or spec.origin is None:
         return None
