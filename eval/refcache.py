@@ -73,6 +73,72 @@ def model_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+MEMO = "model-sha256-memo.json"
+MEMO_ENTRIES = 64  # the model directories last hashed here; older ones are forgotten
+
+
+def _files_stamp(path: Path) -> str:
+    """The model directory's resolved path and each of its files' name, size and mtime: when these are unchanged
+    the files almost surely are, which is all a guess may assume (a cache key is never built from it)."""
+    path = Path(path)
+    parts = [str(path.resolve())]
+    for f in model_files(path):
+        st = f.stat()
+        parts.append(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def remember_model_sha256(path: Path, sha: str, root: Path | None = None) -> None:
+    """Note which sha256 `model_sha256` gave for the model directory as its files stand now (see `probably_cached`);
+    a memo that cannot be written is forgotten silently: it only ever steers a guess."""
+    memo_path = (root or cache_dir() / "reference-ppl") / MEMO
+    try:
+        memo = _read_memo(memo_path)
+        memo.pop(stamp := _files_stamp(path), None)
+        memo[stamp] = sha
+        memo = dict(list(memo.items())[-MEMO_ENTRIES:])
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(memo_path, json.dumps(memo) + "\n")
+    except OSError:
+        pass
+
+
+def _read_memo(memo_path: Path) -> dict:
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in memo.items() if isinstance(v, str)} if isinstance(memo, dict) else {}
+
+
+def probably_cached(path: Path, dtype: torch.dtype, device: torch.device, k: int, root: Path | None = None) -> bool:
+    """A guess, before the model's files are hashed, at whether the cache holds its reference perplexity with top-`k`
+    distributions for this dtype and device: the sha256 last hashed for these files (by name, size and mtime) has
+    such an entry. False when the files were never hashed here or changed since. The eval starts loading the
+    reference early when this says False; the lookup itself always uses the hash."""
+    root = root or cache_dir() / "reference-ppl"
+    try:
+        sha = _read_memo(root / MEMO).get(_files_stamp(path))
+    except OSError:
+        return False
+    if sha is None:
+        return False
+    want = {"model_sha256": sha, "dtype": str(dtype).removeprefix("torch."), "device": device_kind(device)}
+    for entry_file in root.glob("*.json"):
+        if len(entry_file.stem) != 32:  # the memo, and lm-eval's entries beside an entry
+            continue
+        try:
+            entry = json.loads(entry_file.read_text())
+        except (OSError, ValueError):
+            continue
+        key = entry.get("key") if isinstance(entry, dict) else None
+        dist = entry.get("distribution") if isinstance(entry, dict) else None
+        if isinstance(key, dict) and all(key.get(n) == v for n, v in want.items()) and \
+                isinstance(dist, dict) and dist.get("k") == k:
+            return True
+    return False
+
+
 def device_kind(device: torch.device) -> str:
     """'cpu', or 'cuda:<GPU name>': kernels, hence the last digits of a perplexity, differ between GPU models."""
     if device.type == "cuda":

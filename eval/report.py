@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -158,6 +158,51 @@ def _hash_reference(shared: dict, timings: dict) -> None:
         t0 = time.perf_counter()
         shared["model_sha256"] = refcache.model_sha256(shared["src"].path)
         timings["reference_hash"] = round(time.perf_counter() - t0, 2)
+        refcache.remember_model_sha256(shared["src"].path, shared["model_sha256"])
+
+
+class _Reference:
+    """The unquantized model on the eval's device, loaded at its first use; or, after `start`, loading in a thread
+    of its own while the eval hashes files and tokenizes its text (the load reads the base model's files and
+    fills the device; the hashing and tokenizing are CPU work). `release` drops it, first waiting for a load
+    still under way, so the device never holds the reference and the decoded artifact at once."""
+
+    def __init__(self, src, dtype: torch.dtype, device: torch.device, timings: dict):
+        self.src, self.dtype, self.device, self.timings = src, dtype, device, timings
+        self.model = None
+        self.loading: Future | None = None
+
+    def start(self) -> None:
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference-load")
+        self.loading = pool.submit(self._load)
+        pool.shutdown(wait=False)  # its one thread ends with the load
+
+    def _load(self):
+        t0 = time.perf_counter()
+        model = source.load_model(self.src, self.dtype, device=self.device)
+        self.timings["load_reference"] = round(time.perf_counter() - t0, 2)
+        return model
+
+    def __call__(self):
+        if self.model is None:
+            if self.loading is not None:
+                t0 = time.perf_counter()
+                loading, self.loading = self.loading, None
+                self.model = loading.result()  # a failed load raises here, as it would have loaded in line
+                self.timings["load_reference_wait"] = round(time.perf_counter() - t0, 2)
+            else:
+                self.model = self._load()
+        return self.model
+
+    def release(self) -> None:
+        if self.loading is not None:  # loaded ahead but never asked for (the cache held the reference)
+            loading, self.loading = self.loading, None
+            try:
+                loading.result()
+                log.info("the reference loaded ahead was not needed: the cache held its perplexity")
+            except Exception as e:  # nothing needed it, so its failure changes no result
+                log.info("the reference loaded ahead was not needed (its load failed: %s)", e)
+        self.model = None
 
 
 def _gates(ppl: dict | None, eopts, dist: dict | None = None) -> dict:
@@ -227,6 +272,22 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
         torch.cuda.reset_peak_memory_stats(device)
     popts = eopts.perplexity
     proto = Protocol(dataset=popts.dataset, seq_len=popts.seq_len, max_windows=popts.max_windows)
+    smoke_skipped = (vllm_unavailable() or None) if eopts.vllm.enabled else "eval.vllm.enabled is false"
+    reference = _Reference(ctx["src"], dtype, device, timings)
+    try:
+        return _evaluate(artifact, base_spec, eopts, manifest, ctx, proto, smoke_skipped, reference, timings,
+                         peak_reset)
+    finally:
+        reference.release()
+
+
+def _evaluate(artifact: Path, base_spec: str, eopts, manifest: Manifest | None, ctx: dict, proto: Protocol,
+              smoke_skipped: str | None, load_reference: _Reference, timings: dict, peak_reset: bool) -> Report:
+    device, dtype, popts = ctx["device"], ctx["dtype"], eopts.perplexity
+    # The reference loads ahead, beside the waits below, when it will surely be scored: the cache probably
+    # lacks it, and no vLLM smoke test first needs a device this process holds nothing on.
+    if smoke_skipped is not None and not refcache.probably_cached(ctx["src"].path, dtype, device, distribution.TOPK):
+        load_reference.start()
     # three independent waits side by side: hashing the artifact's shards (verify), the reference's files (the
     # cache key) and tokenizing the eval text; nothing reads the artifact's weights before verify succeeds
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -243,20 +304,10 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     ctx["lm_batch"] = 8 if device.type == "cpu" else 32  # lm-eval requests per forward (short multiple-choice texts)
     log.info("eval on %s in %s: %d windows of %d tokens from %s, %d per forward", refcache.device_kind(device),
              str(dtype).removeprefix("torch."), wins.shape[0], proto.seq_len, where, ctx["batch"])
-    held: dict = {}
-
-    def load_reference():
-        if "model" not in held:
-            t0 = time.perf_counter()
-            held["model"] = source.load_model(ctx["src"], dtype, device=device)
-            timings["load_reference"] = round(time.perf_counter() - t0, 2)
-        return held["model"]
-
-    smoke_res: dict = {"skipped": "eval.vllm.enabled is false"}
+    smoke_res: dict = {"skipped": smoke_skipped}
     if eopts.vllm.enabled:
-        why_not = vllm_unavailable()
         # the endpoint it would have asked on is recorded all the same (chat, or completions for a base model)
-        smoke_res = {"skipped": why_not, "endpoint": serve_config.endpoint(artifact)} if why_not else None
+        smoke_res = {"skipped": smoke_skipped, "endpoint": serve_config.endpoint(artifact)} if smoke_skipped else None
         if smoke_res is None:
             t0 = time.perf_counter()
             smoke_res = smoke(artifact, load_reference, ctx["tokenizer"], ctx["served"], eopts.vllm.max_tokens,
@@ -267,7 +318,7 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     lm_plan = _lm_eval_tasks(eopts.lm_eval)
     lm_ref = _lm_eval_reference(lm_plan, eopts.lm_eval, key, load_reference, ctx["tokenizer"], ctx["lm_batch"],
                                 timings)
-    held.clear()
+    load_reference.release()
     _free(device)
     t0 = time.perf_counter()
     quantized = load_dequantized(artifact, dtype, device)
