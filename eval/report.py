@@ -134,22 +134,32 @@ def _host_peak_bytes() -> int | None:
     return None
 
 
-def _reference_ppl(ctx: dict, key: dict, load_reference, wins: torch.Tensor, timings: dict) -> tuple[dict, dict]:
+def _reference_ppl(ctx: dict, key: dict, load_reference, wins: torch.Tensor, timings: dict,
+                   background: ThreadPoolExecutor) -> tuple[dict, dict, Future | None]:
     """The reference's perplexity and top-k distributions from the cache (verified by its key) or scored now
-    -> (result, cache info). An entry without the distributions is scored again and rewritten."""
+    -> (result, cache info, the entry's write). An entry without the distributions is scored again and rewritten.
+    A scored reference is written to the cache on `background` (its distributions are ~150 MB for a whole
+    WikiText-2; hashing and writing them overlap the artifact's load); the caller waits for it and records
+    where it went as the cache info's "stored"."""
     shared = ctx["shared"]
     info = {"key_sha256": refcache.entry_path(key).stem, "model_sha256": shared["model_sha256"]}
     fp = refcache.lookup(key)
     if fp is not None and fp.get("topk") is not None and fp["topk"]["k"] == distribution.TOPK:
-        return fp, {**info, "hit": True}
+        return fp, {**info, "hit": True}, None
     if fp is not None:
         log.info("the cached reference entry holds no top-%d distributions: scoring the reference once more",
                  distribution.TOPK)
         info["rewritten"] = "the entry held no reference distributions"
     fp = perplexity(load_reference(), wins, ctx["batch"], "reference", keep_topk=distribution.TOPK)
     timings["perplexity_reference"] = fp["seconds"]
+    return fp, {**info, "hit": False, "stored": None}, background.submit(_store_reference, key, fp, timings)
+
+
+def _store_reference(key: dict, fp: dict, timings: dict) -> str | None:
+    t0 = time.perf_counter()
     stored = refcache.store(key, fp)
-    return fp, {**info, "hit": False, "stored": str(stored) if stored else None}
+    timings["reference_store"] = round(time.perf_counter() - t0, 2)
+    return str(stored) if stored else None
 
 
 def _hash_reference(shared: dict, timings: dict) -> None:
@@ -274,15 +284,18 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     proto = Protocol(dataset=popts.dataset, seq_len=popts.seq_len, max_windows=popts.max_windows)
     smoke_skipped = (vllm_unavailable() or None) if eopts.vllm.enabled else "eval.vllm.enabled is false"
     reference = _Reference(ctx["src"], dtype, device, timings)
+    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference-store")
     try:
         return _evaluate(artifact, base_spec, eopts, manifest, ctx, proto, smoke_skipped, reference, timings,
-                         peak_reset)
+                         peak_reset, background)
     finally:
         reference.release()
+        background.shutdown(wait=True)  # a cache entry being written is finished, whatever happened
 
 
 def _evaluate(artifact: Path, base_spec: str, eopts, manifest: Manifest | None, ctx: dict, proto: Protocol,
-              smoke_skipped: str | None, load_reference: _Reference, timings: dict, peak_reset: bool) -> Report:
+              smoke_skipped: str | None, load_reference: _Reference, timings: dict, peak_reset: bool,
+              background: ThreadPoolExecutor) -> Report:
     device, dtype, popts = ctx["device"], ctx["dtype"], eopts.perplexity
     # The reference loads ahead, beside the waits below, when it will surely be scored: the cache probably
     # lacks it, and no vLLM smoke test first needs a device this process holds nothing on.
@@ -314,7 +327,7 @@ def _evaluate(artifact: Path, base_spec: str, eopts, manifest: Manifest | None, 
                               eopts.vllm.min_token_agreement, eopts.vllm.timeout_s)
             timings["vllm_smoke"] = round(time.perf_counter() - t0, 2)
     key = refcache.make_key(ctx["shared"]["model_sha256"], record, ctx["dtype"], ctx["device"])
-    fp, cache_info = _reference_ppl(ctx, key, load_reference, wins, timings)
+    fp, cache_info, storing = _reference_ppl(ctx, key, load_reference, wins, timings, background)
     lm_plan = _lm_eval_tasks(eopts.lm_eval)
     lm_ref = _lm_eval_reference(lm_plan, eopts.lm_eval, key, load_reference, ctx["tokenizer"], ctx["lm_batch"],
                                 timings)
@@ -325,6 +338,8 @@ def _evaluate(artifact: Path, base_spec: str, eopts, manifest: Manifest | None, 
     timings["load_quantized"] = round(time.perf_counter() - t0, 2)
     q = perplexity(quantized, wins, ctx["batch"], "quantized", reference=fp["topk"])
     timings["perplexity_quantized"] = q["seconds"]
+    if storing is not None:
+        cache_info["stored"] = storing.result()
     lm_q = None
     if lm_ref is not None:
         lm_q = lmeval.run_on_model(quantized, ctx["tokenizer"], lm_plan["tasks"], eopts.lm_eval.limit, ctx["lm_batch"])

@@ -38,7 +38,8 @@ def loads(monkeypatch):
 
 
 def _ahead_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("reference-load")]
+    """The eval's own threads still alive: the reference loading ahead, the cache entry being written."""
+    return [t for t in threading.enumerate() if t.name.startswith(("reference-load", "reference-store"))]
 
 
 def test_cold_cache_loads_ahead_warm_cache_loads_nothing(artifact, loads, monkeypatch, tmp_path):
@@ -48,7 +49,9 @@ def test_cold_cache_loads_ahead_warm_cache_loads_nothing(artifact, loads, monkey
     assert eval_main([str(recipe), "--artifact", str(out)]) == 0
     first = json.loads((out / "report.json").read_text())
     assert len(loads) == 1 and loads[0].startswith("reference-load")
-    assert {"load_reference", "load_reference_wait", "reference_hash"} <= set(first["eval_timings_s"])
+    assert {"load_reference", "load_reference_wait", "reference_hash", "reference_store"} <= set(first["eval_timings_s"])
+    # the entry was written beside the artifact's load and waited for before the report
+    assert Path(first["scored_on"]["reference_cache"]["stored"]).is_file()
     assert not _ahead_threads()
     # the files were hashed and their entry stored: the next eval guesses a hit and loads nothing
     assert refcache.probably_cached(recipe_model(out), torch.float32, torch.device("cpu"), 64)
