@@ -104,7 +104,9 @@ def perplexity(model, wins: torch.Tensor, batch: int = 1, label: str = "model", 
         ids = wins[start : start + batch].to(device)  # [b, seq]
         logits = model(input_ids=ids, use_cache=False).logits  # [b, seq, vocab]
         for j in range(ids.shape[0]):
-            logp = F.log_softmax(logits[j, :-1].float(), -1)  # [seq - 1, vocab]
+            # float32 log-probs straight from the 16-bit logits (on CUDA one kernel reads float16 and writes float32;
+            # no float32 copy of the logits first)
+            logp = F.log_softmax(logits[j, :-1], -1, dtype=torch.float32)  # [seq - 1, vocab]
             nll = F.nll_loss(logp, ids[j, 1:], reduction="sum").item()  # = cross_entropy, one log_softmax shared
             if keep_topk:
                 kept.append(distribution.reference_topk(logp, keep_topk))
