@@ -21,7 +21,9 @@ import json
 import logging
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 
@@ -48,29 +50,84 @@ def model_files(path: Path) -> list[Path]:
 CHUNK = 1 << 28  # 256 MiB: a 15 GB checkpoint is hashed as ~60 pieces in parallel
 
 
-def _chunk_sha256(job: tuple[Path, int]) -> str:
+class Cancelled(Exception):
+    """A hash stopped before its end (`HashAhead.cancel`)."""
+
+
+def _chunk_sha256(job: tuple[Path, int], stop: threading.Event | None = None) -> str:
     path, offset = job
     h = hashlib.sha256()
     with open(path, "rb") as f:
         f.seek(offset)
         left = CHUNK
         while left and (block := f.read(min(1 << 22, left))):
+            if stop is not None and stop.is_set():
+                raise Cancelled(str(path))
             h.update(block)
             left -= len(block)
     return h.hexdigest()
 
 
-def model_sha256(path: Path) -> str:
+def model_sha256(path: Path, workers: int | None = None, stop: threading.Event | None = None) -> str:
     """One sha256 over the model's files: each file cut into 256 MiB pieces hashed in parallel threads (hashlib
-    releases the GIL; a 7B checkpoint is 15 GB), then the names, sizes and piece digests hashed in order."""
+    releases the GIL; a 7B checkpoint is 15 GB), then the names, sizes and piece digests hashed in order.
+    workers: the threads (default: up to 16); stop: set, it ends the hash within one 4 MiB read (Cancelled)."""
     files = model_files(path)
     jobs = [(f, off) for f in files for off in range(0, max(f.stat().st_size, 1), CHUNK)]
-    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-        digests = list(pool.map(_chunk_sha256, jobs))
+    with ThreadPoolExecutor(max_workers=workers or min(16, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(lambda job: _chunk_sha256(job, stop), jobs))
     h = hashlib.sha256()
     for (f, off), d in zip(jobs, digests):
         h.update(f"{f.name}\0{f.stat().st_size}\0{off}\0{d}\n".encode())
     return h.hexdigest()
+
+
+class HashAhead:
+    """The base model's `model_sha256` computed in a thread of its own while a run's quantize stage keeps the GPU
+    busy, so that its eval finds the reference cache's key ready instead of first hashing 15 GB (a 7B checkpoint).
+
+    `result(path)` gives the sha256 only for those files as they stand when it is asked: the same resolved
+    directory, every file's name, size and mtime as when the hash began; otherwise None, and the eval hashes them
+    itself. Few threads: the quantize stage's own host work (reading layers, copying them to the device) shares
+    the processor. `cancel` stops it within one 4 MiB read (a run refused or failed before its eval)."""
+
+    WORKERS = 4
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.stamp = _files_stamp(self.path)
+        self.stop = threading.Event()
+        self.future: Future[str] = Future()
+        self.seconds: float | None = None
+        threading.Thread(target=self._hash, name="base-model-hash", daemon=True).start()
+
+    def _hash(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            sha = model_sha256(self.path, self.WORKERS, self.stop)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever asks; the eval then hashes itself
+            self.future.set_exception(e)
+            return
+        self.seconds = round(time.perf_counter() - t0, 2)
+        self.future.set_result(sha)
+
+    def cancel(self) -> None:
+        self.stop.set()
+
+    def result(self, path: Path) -> str | None:
+        """The sha256 of `path`'s model files, once the hash has ended; None when it was of other or changed files,
+        cancelled or failed."""
+        if Path(path).resolve() != self.path.resolve():
+            return None
+        try:
+            sha = self.future.result()
+        except Exception as e:  # noqa: BLE001 - a file vanished or could not be read: the caller's hash says so
+            log.info("the base model's hash computed ahead is not used (%s: %s)", type(e).__name__, e)
+            return None
+        if _files_stamp(self.path) != self.stamp:
+            log.info("the base model's files changed while they were hashed ahead: hashing them again")
+            return None
+        return sha
 
 
 MEMO = "model-sha256-memo.json"

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
@@ -162,13 +163,22 @@ def _store_reference(key: dict, fp: dict, timings: dict) -> str | None:
     return str(stored) if stored else None
 
 
-def _hash_reference(shared: dict, timings: dict) -> None:
-    """The reference model's files' sha256 (the cache key's first part), once per base model."""
+def _hash_reference(shared: dict, timings: dict, ahead: Sequence[refcache.HashAhead] = ()) -> None:
+    """The reference model's files' sha256 (the cache key's first part), once per base model; from the run's hash
+    of them during its quantize stage (`ahead`, one per base model) where that is of these files as they stand."""
     if "model_sha256" not in shared:
         t0 = time.perf_counter()
-        shared["model_sha256"] = refcache.model_sha256(shared["src"].path)
-        timings["reference_hash"] = round(time.perf_counter() - t0, 2)
-        refcache.remember_model_sha256(shared["src"].path, shared["model_sha256"])
+        path = shared["src"].path.resolve()
+        ahead = next((h for h in ahead if h.path.resolve() == path), None)
+        sha = ahead.result(path) if ahead is not None else None
+        if sha is not None:
+            timings["reference_hash_ahead"] = ahead.seconds
+            timings["reference_hash_wait"] = round(time.perf_counter() - t0, 2)
+        else:
+            sha = refcache.model_sha256(shared["src"].path)
+            timings["reference_hash"] = round(time.perf_counter() - t0, 2)
+        shared["model_sha256"] = sha
+        refcache.remember_model_sha256(shared["src"].path, sha)
 
 
 class _Reference:
@@ -260,7 +270,7 @@ def _context(artifact: Path, base_spec: str, manifest: Manifest | None, compute_
 
 
 def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.dtype | None = None,
-             cache: dict | None = None) -> Report:
+             cache: dict | None = None, base_hashes: Sequence[refcache.HashAhead] = ()) -> Report:
     """Run the whole eval stage on `artifact` -> the report (`pipeline.stages.evaluate` writes it into the artifact).
 
     On the device that quantized it (CUDA: the artifact's 16-bit dtype; CPU: float32), one model on the device
@@ -268,6 +278,8 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     or its perplexity is not cached), then the decoded artifact.
     cache: pass one dict to several calls on artifacts of the same base model (a comparison) so the base
     model's files are resolved and hashed once.
+    base_hashes: base models' files hashed ahead (`refcache.HashAhead`); the one of this base model is used where
+    its files are as they were hashed.
     """
     artifact = Path(artifact)
     manifest = manifest_file.read(artifact)
@@ -287,7 +299,7 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference-store")
     try:
         return _evaluate(artifact, base_spec, eopts, manifest, ctx, proto, smoke_skipped, reference, timings,
-                         peak_reset, background)
+                         peak_reset, background, base_hashes)
     finally:
         reference.release()
         background.shutdown(wait=True)  # a cache entry being written is finished, whatever happened
@@ -295,7 +307,7 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
 
 def _evaluate(artifact: Path, base_spec: str, eopts, manifest: Manifest | None, ctx: dict, proto: Protocol,
               smoke_skipped: str | None, load_reference: _Reference, timings: dict, peak_reset: bool,
-              background: ThreadPoolExecutor) -> Report:
+              background: ThreadPoolExecutor, base_hashes: Sequence[refcache.HashAhead]) -> Report:
     device, dtype, popts = ctx["device"], ctx["dtype"], eopts.perplexity
     # The reference loads ahead, beside the waits below, when it will surely be scored: the cache probably
     # lacks it, and no vLLM smoke test first needs a device this process holds nothing on.
@@ -305,7 +317,7 @@ def _evaluate(artifact: Path, base_spec: str, eopts, manifest: Manifest | None, 
     # cache key) and tokenizing the eval text; nothing reads the artifact's weights before verify succeeds
     with ThreadPoolExecutor(max_workers=2) as pool:
         verifying = pool.submit(manifest_file.verify, artifact)  # refuses a tampered artifact, naming the file
-        hashing = pool.submit(_hash_reference, ctx["shared"], timings)
+        hashing = pool.submit(_hash_reference, ctx["shared"], timings, base_hashes)
         text, where = load_eval_text(popts.dataset)
         wins = windows(ctx["tokenizer"], text, proto)
         verified = verifying.result()

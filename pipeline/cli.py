@@ -120,11 +120,12 @@ def _prog() -> str:
     return "quantize" if Path(sys.argv[0]).name == "quantize" else "python -m pipeline"
 
 
-def run_eval(artifact: Path, base: str | None, eopts, cache: dict | None = None) -> int:
-    """The eval stage on one artifact, its report written into it; prints the figures -> exit code 0 or 3."""
+def run_eval(artifact: Path, base: str | None, eopts, cache: dict | None = None, hashes=None) -> int:
+    """The eval stage on one artifact, its report written into it; prints the figures -> exit code 0 or 3.
+    hashes: the run's `stages.BaseHashes`, whose base model's hash the eval uses."""
     from . import stages
 
-    r = stages.evaluate(artifact, base, eopts, cache=cache)
+    r = stages.evaluate(artifact, base, eopts, cache=cache, hashes=hashes)
     p = r.perplexity
     print(f"perplexity FP16 {p.fp16.ppl:.4f}  quantized {p.quantized.ppl:.4f}  "
           f"delta {p.delta:+.4f} ({p.delta_pct:+.2f}%)  [{p.protocol.windows} x {p.protocol.seq_len} tokens]")
@@ -226,6 +227,7 @@ def _run_command(args, recipe) -> int:
     from . import stages
 
     dist = distributed.init_from_env()
+    hashes = stages.BaseHashes()  # the eval's base model hashed during the quantize stage (rank 0, on a GPU)
     try:
         writer = dist is None or dist.rank == 0
         with ExitStack() as held:
@@ -237,8 +239,9 @@ def _run_command(args, recipe) -> int:
                 dist.agree(lambda: take() if writer else None)
             try:
                 evaluates = recipe.eval.enabled and not args.no_eval
+                check = hashes.before_weights if writer else stages.check_eval_inputs
                 out = runner.run(args.recipe, out_root=args.out, force=args.force, locked=True, dist=dist,
-                                 before_weights=stages.check_eval_inputs if evaluates else None)
+                                 before_weights=check if evaluates else None)
             except BaseException as e:  # noqa: BLE001 - the first failing rank's message is the one to show
                 if dist is None:
                     raise
@@ -251,12 +254,13 @@ def _run_command(args, recipe) -> int:
             print(out)
             if recipe.eval.enabled and not args.no_eval:
                 try:
-                    return run_eval(out, None, recipe.eval)
+                    return run_eval(out, None, recipe.eval, hashes=hashes)
                 except RuntimeError as e:
                     e.during_eval = True  # an out-of-memory message then says the artifact was written
                     raise
         return 0
     finally:
+        hashes.cancel()  # a run refused or failed before its eval leaves no hash running
         distributed.shutdown()
 
 

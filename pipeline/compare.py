@@ -21,7 +21,7 @@ from quantize.records import Manifest
 
 from eval.readable import machine, seconds_text
 
-from .stages import check_eval_inputs, evaluate
+from .stages import BaseHashes, evaluate
 
 log = logging.getLogger(__name__)
 
@@ -225,21 +225,24 @@ def run_comparison(recipe_names: list[str], out_root: Path, force: bool = False,
                     len(groups), ", ".join(runner.SHARED_KEYS))
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    artifacts = []
-    for group in groups.values():
-        log.info("shared pass: %s", ", ".join(v.name for v in group))
-        artifacts += runner.run_many(group, out_root, force,
-                                     before_weights=check_eval_inputs if do_eval else None)
-    timings["quantize_all"] = round(time.perf_counter() - t0, 2)
-    failed = []
-    if do_eval:
-        t0, cache = time.perf_counter(), {}
-        for v, art in zip([v for g in groups.values() for v in g], artifacts):
-            if v.eval.enabled:
-                log.info("eval %s", v.name)
-                if not evaluate(art, None, v.eval, cache=cache).passed:
-                    failed.append(v.name)
-        timings["eval_all"] = round(time.perf_counter() - t0, 2)
+    artifacts, hashes = [], BaseHashes()  # each group's base model hashed during its pass, for the evals
+    try:
+        for group in groups.values():
+            log.info("shared pass: %s", ", ".join(v.name for v in group))
+            artifacts += runner.run_many(group, out_root, force,
+                                         before_weights=hashes.before_weights if do_eval else None)
+        timings["quantize_all"] = round(time.perf_counter() - t0, 2)
+        failed = []
+        if do_eval:
+            t0, cache = time.perf_counter(), {}
+            for v, art in zip([v for g in groups.values() for v in g], artifacts):
+                if v.eval.enabled:
+                    log.info("eval %s", v.name)
+                    if not evaluate(art, None, v.eval, cache=cache, hashes=hashes).passed:
+                        failed.append(v.name)
+            timings["eval_all"] = round(time.perf_counter() - t0, 2)
+    finally:
+        hashes.cancel()
     doc = write_comparison(name, artifacts, Path(out_root), {"recipes": recipe_names, "timings_s": timings,
                                                              "eval_failed": failed})
     return doc, 3 if failed else 0

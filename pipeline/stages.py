@@ -9,16 +9,18 @@ from pathlib import Path
 from quantize import manifest
 from quantize.export import modelcard
 from quantize.files import atomic_write_text
-from quantize.preflight.checks import PreflightError
+from quantize.preflight.checks import PreflightError, pick_device
 from quantize.records import Report
+from quantize.source import load as source
 
-from eval import report as eval_report
+from eval import refcache, report as eval_report
 from eval.perplexity import Protocol, load_eval_text, windows
 
 
-def evaluate(artifact: Path, base: str | None, eopts, cache: dict | None = None) -> Report:
+def evaluate(artifact: Path, base: str | None, eopts, cache: dict | None = None,
+             hashes: BaseHashes | None = None) -> Report:
     """The eval stage on `artifact` (see `eval.report.evaluate`), its report written into the artifact -> report."""
-    report = eval_report.evaluate(artifact, base, eopts, cache=cache)
+    report = eval_report.evaluate(artifact, base, eopts, cache=cache, base_hashes=hashes.started if hashes else ())
     write_report(Path(artifact), report)
     return report
 
@@ -38,6 +40,29 @@ def check_eval_inputs(recipes, tokenizer) -> None:
         except ValueError as e:
             raise PreflightError(f"{r.name}: {e} (checked before quantizing, as the eval stage would fail)") \
                 from None
+
+
+class BaseHashes:
+    """The base models' files hashed while a run or comparison that evaluates on a GPU quantizes: its eval needs
+    their sha256 (the reference cache's key) and would otherwise hash a 7B checkpoint's 15 GB after the artifact is
+    written, with the GPU idle. `before_weights` is the runner's pre-flight hook: the eval inputs' check, then, on a
+    CUDA run, one `refcache.HashAhead` per base model. `cancel` stops every hash still running (call it on every
+    way out: the interpreter's exit waits for their threads)."""
+
+    def __init__(self):
+        self.started: list[refcache.HashAhead] = []
+
+    def before_weights(self, recipes, tokenizer) -> None:
+        check_eval_inputs(recipes, tokenizer)
+        if not any(r.eval.enabled for r in recipes) or pick_device(recipes[0]).type != "cuda":
+            return  # on the CPU the quantize stage is itself the processor's work: nothing to overlap
+        path = source.resolve(recipes[0].model).path.resolve()
+        if all(h.path.resolve() != path for h in self.started):
+            self.started.append(refcache.HashAhead(path))
+
+    def cancel(self) -> None:
+        for h in self.started:
+            h.cancel()
 
 
 def _head_holds_a_window(tokenizer, text: str, seq_len: int) -> bool:
