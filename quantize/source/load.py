@@ -408,17 +408,59 @@ def load_model(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool 
     if not list(source.path.glob("*.safetensors")):
         check_weights(source)  # raises, saying why (pre-flight has already warned about ignored pickles)
     config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        source.path,
-        config=config,
-        dtype=dtype,
-        device_map=str(device),
-        attn_implementation=attn_implementation(config),
-        use_safetensors=True,
-        trust_remote_code=trust_remote_code,
-    )
+    with converted_on_the_device():
+        model = AutoModelForCausalLM.from_pretrained(
+            source.path,
+            config=config,
+            dtype=dtype,
+            device_map=str(device),
+            attn_implementation=attn_implementation(config),
+            use_safetensors=True,
+            trust_remote_code=trust_remote_code,
+        )
     model.eval()
     return model
+
+
+@contextlib.contextmanager
+def converted_on_the_device():
+    """While a model loads onto a GPU in another dtype than its checkpoint's, each tensor is copied there as stored
+    and converted there.
+
+    transformers hands every checkpoint tensor to `Tensor.to(device=..., dtype=...)`, and for a blocking copy from
+    the host to a GPU torch converts the dtype on the host first (sparing device memory): a bf16 checkpoint loaded
+    as float16 converts 15 GB (7B) on the CPU before its copies. Converted on the GPU, each value rounds the same
+    way (IEEE round to nearest even on either side), transformers still decides every tensor's dtype (modules kept
+    in float32, buffers), and the device holds one stored tensor more at a time. Loads to the CPU, tensors already
+    in their dtype and transformers releases without this function are untouched."""
+    import torch
+
+    try:
+        from transformers import core_model_loading as loading
+    except ImportError:
+        yield
+        return
+    plain = getattr(loading, "_materialize_copy", None)
+    if plain is None:
+        yield
+        return
+
+    def materialize(tensor, device=None, dtype=None):
+        tensor = tensor[...]  # what the safetensors slice reads from the file
+        if dtype is not None and device is not None and tensor.dtype != dtype and tensor.device.type == "cpu":
+            try:
+                to_gpu = torch.device(device).type == "cuda"
+            except (RuntimeError, TypeError):  # a device_map value torch does not parse ("disk")
+                to_gpu = False
+            if to_gpu:
+                return tensor.to(device=device).to(dtype)
+        return plain(tensor, device, dtype)
+
+    loading._materialize_copy = materialize
+    try:
+        yield
+    finally:
+        loading._materialize_copy = plain
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):

@@ -63,3 +63,33 @@ def test_a_tokenizer_is_loaded_once_while_its_files_are_unchanged(tmp_path):
     tj.write_text("{ not json")
     with pytest.raises(source.ModelSourceError, match="the tokenizer in .* cannot be loaded"):
         source.load_tokenizer(src)
+
+
+def test_a_load_onto_a_gpu_copies_as_stored_then_converts_there(monkeypatch):
+    """Inside `converted_on_the_device`, transformers' per-tensor copy sends a bf16 tensor to a CUDA device first
+    and converts it there (torch would otherwise convert it on the host); CPU loads and tensors already in their
+    dtype take transformers' own path, and the function is transformers' own again afterwards."""
+    import torch
+    from transformers import core_model_loading as loading
+
+    plain = loading._materialize_copy
+    steps = []
+    real_to = torch.Tensor.to
+
+    def to(self, *a, **k):  # no GPU here: record each copy's target and convert on the CPU
+        steps.append((str(k.get("device")) if "device" in k else None, a[0] if a else k.get("dtype")))
+        return real_to(self, dtype=k.get("dtype", a[0] if a else None) or self.dtype)
+
+    t = torch.arange(6, dtype=torch.bfloat16) / 3
+    with source.converted_on_the_device():
+        assert loading._materialize_copy is not plain
+        monkeypatch.setattr(torch.Tensor, "to", to)
+        out = loading._materialize_copy(t, "cuda:0", torch.float16)
+        assert steps == [("cuda:0", None), (None, torch.float16)]
+        steps.clear()
+        loading._materialize_copy(t, "cpu", torch.float16)  # a CPU load: one copy that converts, as before
+        loading._materialize_copy(t, "cuda:0", torch.bfloat16)  # already in its dtype
+        assert [s[0] for s in steps] == ["cpu", "cuda:0"]
+        monkeypatch.undo()
+    assert loading._materialize_copy is plain
+    assert out.dtype == torch.float16 and torch.equal(out, t.to(torch.float16))
