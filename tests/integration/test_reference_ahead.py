@@ -38,8 +38,12 @@ def loads(monkeypatch):
 
 
 def _ahead_threads() -> list[threading.Thread]:
-    """The eval's own threads still alive: the reference loading ahead, the cache entry being written."""
-    return [t for t in threading.enumerate() if t.name.startswith(("reference-load", "reference-store"))]
+    """The eval's own threads still running: the reference loading ahead, the cache entry being written. A pool's
+    worker exits moments after handing its result back, so each is given that long before it counts."""
+    threads = [t for t in threading.enumerate() if t.name.startswith(("reference-load", "reference-store"))]
+    for t in threads:
+        t.join(timeout=10)
+    return [t for t in threads if t.is_alive()]
 
 
 def test_cold_cache_loads_ahead_warm_cache_loads_nothing(artifact, loads, monkeypatch, tmp_path):
