@@ -136,12 +136,12 @@ def _host_peak_bytes() -> int | None:
 
 
 def _reference_ppl(ctx: dict, key: dict, load_reference, wins: torch.Tensor, timings: dict,
-                   background: ThreadPoolExecutor, before_pass=None) -> tuple[dict, dict, Future | None]:
+                   background: ThreadPoolExecutor) -> tuple[dict, dict, Future | None]:
     """The reference's perplexity and top-k distributions from the cache (verified by its key) or scored now
     -> (result, cache info, the entry's write). An entry without the distributions is scored again and rewritten.
     A scored reference is written to the cache on `background` (its distributions are ~150 MB for a whole
     WikiText-2; hashing and writing them overlap the artifact's load); the caller waits for it and records
-    where it went as the cache info's "stored". before_pass(reference model): called before a pass is scored."""
+    where it went as the cache info's "stored"."""
     shared = ctx["shared"]
     info = {"key_sha256": refcache.entry_path(key).stem, "model_sha256": shared["model_sha256"]}
     fp = refcache.lookup(key)
@@ -151,10 +151,7 @@ def _reference_ppl(ctx: dict, key: dict, load_reference, wins: torch.Tensor, tim
         log.info("the cached reference entry holds no top-%d distributions: scoring the reference once more",
                  distribution.TOPK)
         info["rewritten"] = "the entry held no reference distributions"
-    reference = load_reference()
-    if before_pass is not None:
-        before_pass(reference)
-    fp = perplexity(reference, wins, ctx["batch"], "reference", keep_topk=distribution.TOPK)
+    fp = perplexity(load_reference(), wins, ctx["batch"], "reference", keep_topk=distribution.TOPK)
     timings["perplexity_reference"] = fp["seconds"]
     return fp, {**info, "hit": False, "stored": None}, background.submit(_store_reference, key, fp, timings)
 
@@ -188,8 +185,7 @@ class _Reference:
     """The unquantized model on the eval's device, loaded at its first use; or, after `start`, loading in a thread
     of its own while the eval hashes files and tokenizes its text (the load reads the base model's files and
     fills the device; the hashing and tokenizing are CPU work). `release` drops it, first waiting for a load
-    still under way, so the reference and the decoded artifact share the device only where `_Quantized.room`
-    says it holds both."""
+    still under way, so the device never holds the reference and the decoded artifact at once."""
 
     def __init__(self, src, dtype: torch.dtype, device: torch.device, timings: dict):
         self.src, self.dtype, self.device, self.timings = src, dtype, device, timings
@@ -227,74 +223,6 @@ class _Reference:
             except Exception as e:  # nothing needed it, so its failure changes no result
                 log.info("the reference loaded ahead was not needed (its load failed: %s)", e)
         self.model = None
-
-
-class _Quantized:
-    """The artifact decoded onto the eval's device: in line once the reference is released, or, where the GPU has
-    room for both models and the reference's pass besides, decoded during that pass (`start_if_room`) by a thread
-    of its own on a CUDA stream of its own. The pass is bound by its forwards; the decode is host reads, copies
-    and a few small kernels, so the artifact's load no longer stands between the two passes. A device without
-    that room holds one model at a time, as a 7B on a 24 GB card or a 70B anywhere must."""
-
-    HEADROOM = 2 << 30  # bytes the room check leaves free beyond the decoded weights and the pass's logits
-
-    def __init__(self, artifact: Path, dtype: torch.dtype, device: torch.device, timings: dict):
-        self.artifact, self.dtype, self.device, self.timings = artifact, dtype, device, timings
-        self.loading: Future | None = None
-
-    def start_if_room(self, reference, batch: int, seq_len: int) -> None:
-        if self.room(reference, batch, seq_len):
-            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantized-load")
-            self.loading = pool.submit(self._load_on_own_stream)
-            pool.shutdown(wait=False)  # its one thread ends with the load
-
-    def room(self, reference, batch: int, seq_len: int) -> bool:
-        """Whether the device holds the decoded artifact beside the reference and the pass's own tensors."""
-        if self.device.type != "cuda":
-            return False
-        weights = sum(p.numel() * p.element_size() for p in reference.parameters())
-        vocab = reference.config.get_text_config().vocab_size
-        # the pass holds a forward's logits and, per window, their float32 log-softmax and its top-k
-        need = weights + batch * seq_len * vocab * (reference.dtype.itemsize + 4) + self.HEADROOM
-        free, _ = torch.cuda.mem_get_info(self.device)
-        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        if free < need:
-            log.info("the artifact is decoded after the reference's pass: the device has %.1f GiB free, decoding "
-                     "during it needs %.1f GiB", free / 2**30, need / 2**30)
-        return free >= need
-
-    def _load(self):
-        t0 = time.perf_counter()
-        model = load_dequantized(self.artifact, self.dtype, self.device)
-        self.timings["load_quantized"] = round(time.perf_counter() - t0, 2)
-        return model
-
-    def _load_on_own_stream(self):
-        if self.device.type != "cuda":
-            return self._load()
-        stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(stream):
-            model = self._load()
-        stream.synchronize()  # every copy and decode done before another stream reads the weights
-        return model
-
-    def __call__(self):
-        if self.loading is None:
-            return self._load()
-        t0 = time.perf_counter()
-        loading, self.loading = self.loading, None
-        model = loading.result()
-        self.timings["load_quantized_wait"] = round(time.perf_counter() - t0, 2)
-        return model
-
-    def release(self) -> None:
-        """Wait for a decode still under way and drop it (an eval that failed before it was used)."""
-        if self.loading is not None:
-            loading, self.loading = self.loading, None
-            try:
-                loading.result()
-            except Exception:  # noqa: BLE001 - the eval is failing already, with its own error
-                pass
 
 
 def _gates(ppl: dict | None, eopts, dist: dict | None = None) -> dict:
@@ -345,10 +273,9 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
              cache: dict | None = None, base_hashes: Sequence[refcache.HashAhead] = ()) -> Report:
     """Run the whole eval stage on `artifact` -> the report (`pipeline.stages.evaluate` writes it into the artifact).
 
-    On the device that quantized it (CUDA: the artifact's 16-bit dtype; CPU: float32): vLLM's smoke-load first
-    (a child process), then the reference (only if the smoke test needs it or its perplexity is not cached),
-    then the decoded artifact; one model on the device at a time, except that a GPU with room for both decodes
-    the artifact during the reference's pass (`_Quantized`).
+    On the device that quantized it (CUDA: the artifact's 16-bit dtype; CPU: float32), one model on the device
+    at a time: vLLM's smoke-load first (a child process), then the reference (only if the smoke test needs it
+    or its perplexity is not cached), then the decoded artifact.
     cache: pass one dict to several calls on artifacts of the same base model (a comparison) so the base
     model's files are resolved and hashed once.
     base_hashes: base models' files hashed ahead (`refcache.HashAhead`); the one of this base model is used where
@@ -369,20 +296,18 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     proto = Protocol(dataset=popts.dataset, seq_len=popts.seq_len, max_windows=popts.max_windows)
     smoke_skipped = (vllm_unavailable() or None) if eopts.vllm.enabled else "eval.vllm.enabled is false"
     reference = _Reference(ctx["src"], dtype, device, timings)
-    quantized = _Quantized(artifact, dtype, device, timings)
     background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference-store")
     try:
-        return _evaluate(artifact, base_spec, eopts, manifest, ctx, proto, smoke_skipped, reference, quantized,
-                         timings, peak_reset, background, base_hashes)
+        return _evaluate(artifact, base_spec, eopts, manifest, ctx, proto, smoke_skipped, reference, timings,
+                         peak_reset, background, base_hashes)
     finally:
         reference.release()
-        quantized.release()
         background.shutdown(wait=True)  # a cache entry being written is finished, whatever happened
 
 
 def _evaluate(artifact: Path, base_spec: str, eopts, manifest: Manifest | None, ctx: dict, proto: Protocol,
-              smoke_skipped: str | None, load_reference: _Reference, load_quantized: _Quantized, timings: dict,
-              peak_reset: bool, background: ThreadPoolExecutor, base_hashes: Sequence[refcache.HashAhead]) -> Report:
+              smoke_skipped: str | None, load_reference: _Reference, timings: dict, peak_reset: bool,
+              background: ThreadPoolExecutor, base_hashes: Sequence[refcache.HashAhead]) -> Report:
     device, dtype, popts = ctx["device"], ctx["dtype"], eopts.perplexity
     # The reference loads ahead, beside the waits below, when it will surely be scored: the cache probably
     # lacks it, and no vLLM smoke test first needs a device this process holds nothing on.
@@ -414,15 +339,15 @@ def _evaluate(artifact: Path, base_spec: str, eopts, manifest: Manifest | None, 
                               eopts.vllm.min_token_agreement, eopts.vllm.timeout_s)
             timings["vllm_smoke"] = round(time.perf_counter() - t0, 2)
     key = refcache.make_key(ctx["shared"]["model_sha256"], record, ctx["dtype"], ctx["device"])
-    fp, cache_info, storing = _reference_ppl(
-        ctx, key, load_reference, wins, timings, background,
-        before_pass=lambda ref: load_quantized.start_if_room(ref, ctx["batch"], proto.seq_len))
+    fp, cache_info, storing = _reference_ppl(ctx, key, load_reference, wins, timings, background)
     lm_plan = _lm_eval_tasks(eopts.lm_eval)
     lm_ref = _lm_eval_reference(lm_plan, eopts.lm_eval, key, load_reference, ctx["tokenizer"], ctx["lm_batch"],
                                 timings)
     load_reference.release()
     _free(device)
-    quantized = load_quantized()
+    t0 = time.perf_counter()
+    quantized = load_dequantized(artifact, dtype, device)
+    timings["load_quantized"] = round(time.perf_counter() - t0, 2)
     q = perplexity(quantized, wins, ctx["batch"], "quantized", reference=fp["topk"])
     timings["perplexity_quantized"] = q["seconds"]
     if storing is not None:
