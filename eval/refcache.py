@@ -94,7 +94,7 @@ class HashAhead:
     WORKERS = 4
 
     def __init__(self, path: Path):
-        self.path = Path(path)
+        self.path = Path(path).resolve()
         self.stamp = _files_stamp(self.path)
         self.stop = threading.Event()
         self.future: Future[str] = Future()
@@ -117,8 +117,8 @@ class HashAhead:
     def result(self, path: Path) -> str | None:
         """The sha256 of `path`'s model files, once the hash has ended; None when it was of other or changed files,
         cancelled or failed."""
-        if Path(path).resolve() != self.path.resolve():
-            return None
+        if Path(path).resolve() != self.path:
+            return None  # another base model's: asked before any wait
         try:
             sha = self.future.result()
         except Exception as e:  # noqa: BLE001 - a file vanished or could not be read: the caller's hash says so

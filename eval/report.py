@@ -168,12 +168,12 @@ def _hash_reference(shared: dict, timings: dict, ahead: Sequence[refcache.HashAh
     of them during its quantize stage (`ahead`, one per base model) where that is of these files as they stand."""
     if "model_sha256" not in shared:
         t0 = time.perf_counter()
-        path = shared["src"].path.resolve()
-        ahead = next((h for h in ahead if h.path.resolve() == path), None)
-        sha = ahead.result(path) if ahead is not None else None
-        if sha is not None:
-            timings["reference_hash_ahead"] = ahead.seconds
-            timings["reference_hash_wait"] = round(time.perf_counter() - t0, 2)
+        sha = None
+        for h in ahead:  # each answers None at once for another base model's files
+            if (sha := h.result(shared["src"].path)) is not None:
+                timings["reference_hash_ahead"] = h.seconds
+                timings["reference_hash_wait"] = round(time.perf_counter() - t0, 2)
+                break
         else:
             sha = refcache.model_sha256(shared["src"].path)
             timings["reference_hash"] = round(time.perf_counter() - t0, 2)

@@ -57,7 +57,7 @@ class BaseHashes:
         if not any(r.eval.enabled for r in recipes) or pick_device(recipes[0]).type != "cuda":
             return  # on the CPU the quantize stage is itself the processor's work: nothing to overlap
         path = source.resolve(recipes[0].model).path.resolve()
-        if all(h.path.resolve() != path for h in self.started):
+        if all(h.path != path for h in self.started):
             self.started.append(refcache.HashAhead(path))
 
     def cancel(self) -> None:
