@@ -28,7 +28,6 @@ class LayerRecord:
     seconds: float = 0.0
     parts: dict[str, float] = field(default_factory=dict)  # "to_device", "fp_forward", "jobs"
     stages: list[StageRecord] = field(default_factory=list)
-    beside: bool = False  # its jobs ran beside one another, each on its own CUDA stream (`capture.loop`)
 
 
 @dataclass

@@ -26,11 +26,9 @@ log = logging.getLogger(__name__)
 
 
 def clock(device: torch.device) -> float:
-    """Wall clock after the current stream has finished its queued work (sub-stage timings on CUDA). The current
-    stream only: jobs running beside one another (`job_streams`) each time their own work, and a layer upload on
-    the uploader's stream is not theirs to wait for."""
+    """Wall clock after the device has finished its queued work (sub-stage timings on CUDA)."""
     if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+        torch.cuda.synchronize(device)
     return time.perf_counter()
 
 
@@ -149,31 +147,18 @@ class Uploader:
             self.pending.clear()
 
 
-_SIDE_STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
-_JOB_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def side_stream(device: torch.device) -> "torch.cuda.Stream | None":
-    """The side stream of the current stream on a CUDA device, the same one for the whole process (None off
-    CUDA). The caching allocator keeps a pool per stream: a new stream per layer left each layer's freed
-    factorisation blocks unusable by the next (H200, 7B shape, one pass: 138.6 GiB reserved for 16.3 GiB
-    allocated). Jobs running beside one another (`job_streams`) each get their own, so that waiting for one
-    job's factorisation never waits for another's."""
+    """One side stream per CUDA device for the whole process (None off CUDA). The caching allocator keeps a pool
+    per stream: a new stream per layer left each layer's freed factorisation blocks unusable by the next (H200,
+    7B shape, one pass: 138.6 GiB reserved for 16.3 GiB allocated)."""
     if device.type != "cuda":
         return None
-    key = (device, torch.cuda.current_stream(device).stream_id)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[key]
-
-
-def job_streams(device: torch.device, n: int) -> list[torch.cuda.Stream]:
-    """n CUDA streams for jobs that run beside one another, job k on the k-th, the same ones for the whole process
-    (the allocator's pool per stream is reused from layer to layer)."""
-    have = _JOB_STREAMS.setdefault(device, [])
-    while len(have) < n:
-        have.append(torch.cuda.Stream(device))
-    return have[:n]
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 class KernelUnavailable(UserError, RuntimeError):

@@ -66,10 +66,6 @@ class Job:
     def wants_fp_outputs(self) -> bool:
         return self.propagate == "quantized" and self.method.wants_fp_outputs(self.recipe)
 
-    @property
-    def beside_others(self) -> bool:
-        return self.method.beside_others(self.recipe)
-
     def prefix(self, index: int) -> str:
         """The full module name of decoder layer `index`."""
         return layer_prefix(self.arch, index)

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import ExitStack
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -22,7 +19,7 @@ import torch.nn as nn
 from ..errors import UserError
 from ..source.arch import Arch, decoder_layers, get_module
 from . import hostpages
-from .device import Uploader, clock, device_copy, job_streams, release_cache
+from .device import Uploader, clock, device_copy, release_cache
 from .distributed import Dist
 from ..progress import Progress
 from ..runlog import RunLog
@@ -32,11 +29,6 @@ log = logging.getLogger(__name__)
 
 class _Stop(Exception):
     pass
-
-
-# Jobs run beside one another only while the device's free memory holds this many times the first layer's peak
-# for each job beyond the first (`_SharedPass._beside`): the peak is measured with one job at a time.
-BESIDE_MARGIN = 1.25
 
 
 @dataclass
@@ -56,38 +48,9 @@ class LayerData:
     # FP inputs)
     fp_outputs: list[torch.Tensor] = field(default_factory=list)
     # what a job computed from the unmodified layer and the FP inputs alone, kept for the other jobs of the layer
-    # that see the same (propagate "fp"; `Shared`). None where no other job will ask (one job, or a job with its
-    # own chain): nothing is kept.
-    shared: "Shared | None" = None
-
-
-class Shared:
-    """Values a layer's jobs compute once for all of them: `get(name, make)` -> make()'s value, made by the first
-    job that asks for `name` (the name holds everything the value depends on besides the layer's FP inputs).
-    Jobs running beside one another on their own CUDA streams (`_SharedPass._jobs_beside`) may ask at the same
-    time: one makes it, the others wait for it, and each stream waits for the maker's work before using it."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._lock = threading.Lock()
-        self._locks: dict[object, threading.Lock] = {}
-        self._values: dict[object, tuple[object, torch.cuda.Event | None]] = {}
-
-    def get(self, name, make: Callable[[], object]):
-        with self._lock:
-            lock = self._locks.setdefault(name, threading.Lock())
-        with lock:
-            if name not in self._values:
-                value = make()
-                done = None
-                if self.device.type == "cuda":
-                    done = torch.cuda.Event()
-                    done.record(torch.cuda.current_stream(self.device))
-                self._values[name] = (value, done)
-        value, done = self._values[name]
-        if done is not None:
-            torch.cuda.current_stream(self.device).wait_event(done)
-        return value
+    # that see the same (propagate "fp"): name -> value, the name holding everything else the value depends on.
+    # None where no other job will ask (one job, or a job with its own chain): nothing is kept.
+    shared: dict | None = None
 
 
 def _map(obj, fn):
@@ -237,15 +200,12 @@ class LayerJob(Protocol):
     (GPTQ with an FP target): the FP forward runs for it and `LayerData.fp_features` holds those inputs.
     wants_fp_outputs: a "quantized" job that needs the unquantized layer's outputs (SignRound's target): the FP
     forward runs for it and `LayerData.fp_outputs` holds them.
-    beside_others: whether its work may run in a thread beside other jobs' on CUDA (it changes no process-wide
-    state while it runs).
     """
 
     propagate: str
     wants_features: bool
     wants_fp_features: bool
     wants_fp_outputs: bool
-    beside_others: bool
     seconds: float
 
     def process(self, data: LayerData) -> None: ...
@@ -320,8 +280,6 @@ def run_shared(
         _layers(p, layers, start_at, start, checkpointer, jobs, device)
     finally:
         p.uploader.close()
-        if p.pool is not None:
-            p.pool.shutdown(wait=True)
     seconds = {k: round(v, 3) for k, v in p.seconds.items()}
     log.info("pass seconds: %s", seconds)
     if p.uploader.released:
@@ -365,8 +323,6 @@ class _SharedPass:
         self.chains: dict[int, list[torch.Tensor]] = {}
         self.notes: list[str] = []
         self.seconds = {"to_device": 0.0, "fp_forward": 0.0, "jobs": 0.0, "checkpoint": 0.0}  # summed over layers
-        self.layer_peak: int | None = None  # bytes a layer took at most on CUDA, measured on the first (`_beside`)
-        self.pool: ThreadPoolExecutor | None = None  # the jobs' threads when they run beside one another
 
     def restore(self, inputs: list, chains: dict) -> None:
         """Carry state from a checkpoint (in float32 if the saved pass had been upcast)."""
@@ -420,8 +376,6 @@ class _SharedPass:
         t0 = self._clock()
         self.index = i
         self.kwargs = self.layer_kwargs[i] if self.layer_kwargs else []
-        cuda = self.device.type == "cuda"
-        held = torch.cuda.memory_allocated(self.device) if cuda else 0
         layer = self.uploader.get(i, self.dtype)  # a device copy: the model's own layer stays where it is
         self.uploader.request(i + 1, self.dtype)
         self._check_weights(i, layer)  # on the device: a pass over the weights there is cheap
@@ -431,119 +385,46 @@ class _SharedPass:
         fp_jobs = [j for j in jobs if j.propagate == "fp"]
         # the jobs that read the FP forward's linear inputs; each but the last gets its own copy
         fp_users = [n for n, j in enumerate(jobs) if (j.wants_features and j.propagate == "fp") or j.wants_fp_features]
-        fp_outs, fp_feats = None, {}
-        shared = Shared(self.device) if len(fp_jobs) > 1 else None
+        fp_outs, fp_feats, fp_shared = None, {}, {}
         if fp_jobs or fp_users or any(j.wants_fp_outputs for j in jobs):
             fp_outs, fp_feats = self._fp_forward(i, layer, self.names if fp_users else [])
         t2 = self._clock()
         self.seconds["fp_forward"] += t2 - t1
-        beside = self._beside()
-        if beside:
-            self._jobs_beside(i, layer, fp_users, fp_feats, fp_outs, shared)
-        else:
-            for n, job in enumerate(jobs):
-                tj = time.perf_counter()
-                if next(layer.parameters()).dtype != self.dtype:  # an earlier job's chain upcast the pass
-                    layer.to(self.device, self.dtype)
-                work = layer if len(jobs) == 1 else copy.deepcopy(layer)
-                job.process(self._data(i, n, work, self._fp_share(n, fp_users, fp_feats), fp_outs, shared))
-                if job.propagate == "quantized":
-                    self._advance_chain(i, n, work)
-                job.keep(i, work)
-                del work
-                job.seconds += time.perf_counter() - tj
-        del fp_feats, shared
+        for n, job in enumerate(jobs):
+            tj = time.perf_counter()
+            if next(layer.parameters()).dtype != self.dtype:  # an earlier job's chain upcast the pass
+                layer.to(self.device, self.dtype)
+            feats: dict[str, torch.Tensor] = {}
+            fp_ref: dict[str, torch.Tensor] = {}
+            if n in fp_users:
+                mine = fp_feats if n == fp_users[-1] else {k: t.clone() for k, t in fp_feats.items()}
+                if job.propagate == "fp":
+                    feats = mine
+                else:
+                    fp_ref = mine
+            if job.wants_features and job.propagate != "fp":
+                _, feats = self._forward(layer, self.chains[n], self.names)
+            work = layer if len(jobs) == 1 else copy.deepcopy(layer)
+            job.process(LayerData(i, work, self.chains.get(n, self.inputs), self.kwargs, feats,
+                                  shared=fp_shared if job.propagate == "fp" and len(fp_jobs) > 1 else None,
+                                  fp_features=fp_ref, fp_outputs=fp_outs if job.wants_fp_outputs else []))
+            del feats, fp_ref
+            if job.propagate == "quantized":
+                self._advance_chain(i, n, work)
+            job.keep(i, work)
+            del work
+            job.seconds += time.perf_counter() - tj
+        del fp_feats, fp_shared
         t3 = self._clock()
         self.seconds["jobs"] += t3 - t2
-        if cuda and self.layer_peak is None:  # what a layer may take at most, earlier peaks included
-            self.layer_peak = torch.cuda.max_memory_allocated(self.device) - held
         log.debug("layer %d parts: to_device %.4f s, fp_forward %.4f s, jobs %.4f s", i + 1, t1 - t0, t2 - t1,
                   t3 - t2)
         if self.runlog is not None:
             self.runlog.layer(i).parts = {"to_device": round(t1 - t0, 4), "fp_forward": round(t2 - t1, 4),
                                           "jobs": round(t3 - t2, 4)}
-            self.runlog.layer(i).beside = beside
         del layer  # results and overrides hold what the jobs made of it; nothing is copied back
         if fp_outs is not None:
             self.inputs = fp_outs
-
-    def _fp_share(self, n: int, fp_users: list[int], fp_feats: dict) -> dict:
-        """The FP forward's linear inputs job n reads (its own copy; the last reader gets the originals)."""
-        if n not in fp_users:
-            return {}
-        return fp_feats if n == fp_users[-1] else {k: t.clone() for k, t in fp_feats.items()}
-
-    def _data(self, i: int, n: int, work: nn.Module, fp_mine: dict, fp_outs, shared: Shared | None) -> LayerData:
-        """Job n's LayerData for layer i on `work` (its copy of the layer, still unmodified)."""
-        job = self.jobs[n]
-        feats = fp_mine if job.propagate == "fp" else {}
-        fp_ref = fp_mine if job.propagate != "fp" else {}
-        if job.wants_features and job.propagate != "fp":
-            _, feats = self._forward(work, self.chains[n], self.names)
-        return LayerData(i, work, self.chains.get(n, self.inputs), self.kwargs, feats,
-                         shared=shared if job.propagate == "fp" else None,
-                         fp_features=fp_ref, fp_outputs=fp_outs if job.wants_fp_outputs else [])
-
-    def _beside(self) -> bool:
-        """Whether this layer's jobs run beside one another (`_jobs_beside`): on CUDA, several jobs in one process,
-        every job allowing it (`LayerJob.beside_others`), after the first layer (whose peak bounds a layer's memory,
-        `layer_peak`), and only while the device has room for each further job's bound at once (a comparison on
-        a model whose layer fills much of the device runs its jobs one after another, as it always can)."""
-        if self.device.type != "cuda" or len(self.jobs) < 2 or self.dist is not None or self.layer_peak is None:
-            return False
-        if not all(j.beside_others for j in self.jobs):
-            return False
-        free, _ = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return (len(self.jobs) - 1) * self.layer_peak * BESIDE_MARGIN <= free + cached
-
-    def _jobs_beside(self, i: int, layer: nn.Module, fp_users: list[int], fp_feats: dict, fp_outs,
-                     shared: Shared | None) -> None:
-        """Layer i's jobs at once: each in a thread of its own, on its own CUDA stream and its own copy of the
-        layer, so that one job's kernels fill the gaps another leaves (a solver's serial steps, the host's waits
-        for a scalar, launch-bound sweeps). Each job computes what it computes alone, the same operations in the
-        same order on its own stream; chains are advanced and layers kept in job order once all have finished.
-        A chain that overflows takes the serial path's remedy (`_advance_chain`: the pass continues in float32)."""
-        jobs, device = self.jobs, self.device
-        cuda = device.type == "cuda"  # elsewhere (the tests' CPU) the same threads without streams
-        streams = job_streams(device, len(jobs)) if cuda else []
-        works = [copy.deepcopy(layer) for _ in jobs]
-        mine = [self._fp_share(n, fp_users, fp_feats) for n in range(len(jobs))]  # copies made before any job runs
-        for s in streams:
-            s.wait_stream(torch.cuda.current_stream(device))
-        if self.runlog is not None:
-            self.runlog.layer(i)  # made here: the jobs' threads only add to it
-        grad = torch.is_grad_enabled()
-
-        def run(n: int):
-            t = time.perf_counter()
-            with ExitStack() as on:
-                if cuda:
-                    on.enter_context(torch.cuda.device(device))
-                    on.enter_context(torch.cuda.stream(streams[n]))
-                on.enter_context(torch.set_grad_enabled(grad))
-                job = jobs[n]
-                job.process(self._data(i, n, works[n], mine[n], fp_outs, shared))
-                outs = self._forward(works[n], self.chains[n], [])[0] if job.propagate == "quantized" else None
-                if cuda:
-                    streams[n].synchronize()  # the job's seconds end when its work does
-            return outs, time.perf_counter() - t
-
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(len(jobs), thread_name_prefix="job")
-        futures = [self.pool.submit(run, n) for n in range(len(jobs))]
-        wait(futures)
-        for s in streams:  # every job's work is done (also when one failed) before anything else uses it
-            s.synchronize()
-        for n, (job, fut) in enumerate(zip(jobs, futures)):
-            outs, seconds = fut.result()  # the first failed job's error, in job order
-            if outs is not None:
-                if _finite(outs):
-                    self.chains[n] = outs
-                else:
-                    self._advance_chain(i, n, works[n])
-            job.keep(i, works[n])
-            job.seconds += seconds
 
     def _clock(self) -> float:
         return clock(self.device)

@@ -59,10 +59,6 @@ class Awq(Method):
     def wants_features(self, recipe) -> bool:
         return True
 
-    def beside_others(self, recipe) -> bool:
-        # GPTQ's rounding with the TF32 update switches torch's process-wide TF32 flag while it runs
-        return recipe.awq.rounding != "gptq" or recipe.advanced.gptq.update != "tf32"
-
     def problem(self, recipe) -> str | None:
         if recipe.awq.rounding == "gptq":
             return block_problem(recipe)

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from . import awq_search as awq, gptq_sweep as gptq, output_error
 from ..source.arch import Arch, ScaleGroup, active_scale_groups, layer_prefix
-from ..capture.loop import LayerData, Shared
+from ..capture.loop import LayerData
 from ..capture.device import clock as _clock
 from ..capture.device import awq_clip, awq_fake_quant, awq_search_dtype, gptq_sweep, side_stream
 from ..capture.distributed import Dist
@@ -36,7 +36,7 @@ def _search_stats(r, forward_dtype: torch.dtype | None) -> dict:
 
 
 def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], recipe, spec: awq.QSpec,
-                  dist: Dist | None = None, shared: Shared | None = None):
+                  dist: Dist | None = None, shared: dict | None = None):
     """Scale search for one scale group of data.layer -> (awq.ScaleSearch, the dtype its block forwards ran in, None
     for a single linear's search). dist: the candidate ratios of each round
     are shared out over the ranks (`Dist.spread`), each loss computed whole on one rank. shared: `LayerData.shared`
@@ -69,8 +69,9 @@ def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], 
     with torch.no_grad():
         if shared is not None:  # the name holds what the value depends on besides the shared inputs
             key = ("awq.search", g.inspect or g.linears[0], tuple(chosen), x.dtype, weights, cast)
-            value = shared.get(key, lambda: awq.loss_gram(x_loss) if run_inspect is None else list(run_inspect()))
-            gram, reference = (value, None) if run_inspect is None else (None, value)
+            if key not in shared:
+                shared[key] = awq.loss_gram(x_loss) if run_inspect is None else list(run_inspect())
+            gram, reference = (shared[key], None) if run_inspect is None else (None, shared[key])
         r = awq.search_scales(x, linears, quantized, run_inspect, spec, opts.n_grid, opts.duo_scaling,
                               coarse_step=fast.coarse_step, x_loss=x_loss, grid_batch=fast.grid_batch,
                               spread=None if dist is None else dist.spread, reference=reference, gram=gram,

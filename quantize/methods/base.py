@@ -40,11 +40,6 @@ class Method:
         the unquantized model (`capture.LayerData.fp_outputs`), e.g. as the target of a tuning loss."""
         return False
 
-    def beside_others(self, recipe) -> bool:
-        """Whether this recipe's layer jobs may run in threads beside other recipes' on CUDA (a comparison,
-        `capture.loop`): True unless they change process-wide state while they run."""
-        return True
-
     def problem(self, recipe) -> str | None:
         """Why this recipe's settings do not work with this method, saying what to change; None when they do."""
         return None

@@ -63,9 +63,6 @@ class Gptq(Method):
     def wants_fp_features(self, recipe) -> bool:
         return recipe.gptq.fp_target > 0
 
-    def beside_others(self, recipe) -> bool:
-        return recipe.advanced.gptq.update != "tf32"  # its update switches torch's process-wide TF32 flag
-
     def static_act_order(self, recipe) -> bool:
         return recipe.gptq.act_order
 

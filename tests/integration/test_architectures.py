@@ -137,7 +137,6 @@ class _FoldOnly:
     """A layer job that searches AWQ's scales and folds them, quantizing nothing."""
 
     propagate, wants_features, wants_fp_features, wants_fp_outputs, seconds = "fp", True, False, False, 0.0
-    beside_others = False
 
     def __init__(self, arch, recipe):
         self.arch, self.recipe = arch, recipe

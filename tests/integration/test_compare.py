@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 import yaml
 
 from quantize.manifest import verify as verify_manifest
@@ -133,69 +132,3 @@ def test_model_card_before_eval(tiny_llama, tmp_path):
     card = (out / "README.md").read_text()
     assert card.startswith("---\n") and "Not evaluated yet" in card and "vllm serve" in card
     assert json.loads((out / "manifest.json").read_text())["files"]["README.md"]["bytes"] == len(card.encode())
-
-
-@pytest.fixture
-def jobs_beside(monkeypatch):
-    """Every layer's jobs run beside one another in threads, as on CUDA after the first layer (here without
-    streams), one intra-op thread each so that the CPU's own sums run in one order either way."""
-    from quantize.capture.loop import _SharedPass
-
-    monkeypatch.setattr(_SharedPass, "_beside", lambda self: True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_jobs_beside_one_another_write_the_same_bytes_as_separate_runs(tiny_qwen2, tmp_path, jobs_beside,
-                                                                       monkeypatch):
-    """AWQ g32/g64 (sharing what their group size does not change, made once for both), GPTQ with its own chain
-    and RTN, each in its own thread every layer: every artifact as the recipe's run alone writes it."""
-    from quantize.methods import awq_search as awq
-
-    calls = []
-    real = awq.loss_gram
-    monkeypatch.setattr(awq, "loss_gram", lambda x: calls.append(x.shape) or real(x))
-    recipes = [tiny_recipe(tmp_path, tiny_qwen2, name="b-awq-g32", q_group_size=32),
-               tiny_recipe(tmp_path, tiny_qwen2, name="b-awq-g64"),
-               tiny_recipe(tmp_path, tiny_qwen2, name="b-gptq-g64", method="gptq", zero_point=False),
-               tiny_recipe(tmp_path, tiny_qwen2, name="b-rtn-g64", method="rtn")]
-    runlog = RunLog()
-    shared = runner.run_many([load_recipe(r) for r in recipes], tmp_path / "shared", runlog=runlog)
-    assert len(calls) == 2  # once per layer for both AWQ variants, though they asked at the same time
-    assert [r.beside for r in runlog.layers] == [True, True]
-    assert [s.recipe for s in runlog.layers[1].stages].count("b-gptq-g64") == 4  # every job's stages recorded
-    monkeypatch.undo()
-    alone = [runner.run(r, out_root=tmp_path / "alone") for r in recipes]
-    for a, b in zip(shared, alone):
-        ma, mb = (json.loads((d / "manifest.json").read_text()) for d in (a, b))
-        for f in ("model.safetensors", "config.json"):
-            assert ma["files"][f]["sha256"] == mb["files"][f]["sha256"], (a.name, f)
-
-
-def test_a_job_failing_beside_others_stops_the_pass_and_writes_nothing(tiny_qwen2, tmp_path, jobs_beside,
-                                                                       monkeypatch):
-    """One variant's error in its thread ends the comparison with that error, once the other jobs have
-    finished the layer; no variant's directory is left and no job thread outlives the run."""
-    import threading
-
-    from quantize.methods import gptq_layer
-
-    real = gptq_layer.gptq_layer
-
-    def failing(data, arch, recipe, *args, **kwargs):
-        if recipe.name == "f-gptq-g32" and data.index == 1:
-            raise FloatingPointError("layer 2 failed")
-        return real(data, arch, recipe, *args, **kwargs)
-    monkeypatch.setattr(gptq_layer, "gptq_layer", failing)
-    recipes = [load_recipe(tiny_recipe(tmp_path, tiny_qwen2, name=f"f-gptq-g{g}", method="gptq",
-                                       zero_point=False, q_group_size=g))
-               for g in (64, 32)]
-    with pytest.raises(FloatingPointError, match="layer 2 failed"):
-        runner.run_many(recipes, tmp_path / "out")
-    assert not [p for p in (tmp_path / "out").glob("*") if not p.name.startswith(".")]
-    for t in threading.enumerate():
-        if t.name.startswith("job"):
-            t.join(10)
-    assert not [t for t in threading.enumerate() if t.name.startswith("job") and t.is_alive()]
