@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,15 @@ os.environ.setdefault("QUANTIZE_DEPLOY", "rules")
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def threads_running(*prefixes: str) -> list[threading.Thread]:
+    """The threads whose names start with one of `prefixes` that still run. A pool's worker exits moments after
+    handing its result back, so each is given that long (10 s at most) before it counts."""
+    threads = [t for t in threading.enumerate() if t.name.startswith(prefixes)]
+    for t in threads:
+        t.join(timeout=10)
+    return [t for t in threads if t.is_alive()]
 
 
 def build_tokenizer(out: Path, vocab_size: int = 512):

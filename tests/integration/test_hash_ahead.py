@@ -4,7 +4,6 @@ sha256 as the eval's own hash, used only for files unchanged since, stopped on e
 import json
 import os
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
@@ -15,21 +14,13 @@ from pipeline import stages
 from pipeline.cli import main
 from quantize import runner
 from quantize.preflight.checks import PreflightError
-from tests.conftest import tiny_recipe
+from tests.conftest import threads_running, tiny_recipe
 
 
 @pytest.fixture
 def model(tiny_llama, tmp_path):
     """A copy of the tiny model whose files a test may touch."""
     return Path(shutil.copytree(tiny_llama, tmp_path / "model"))
-
-
-def _hash_threads() -> list[threading.Thread]:
-    """The hash's thread if it still runs (one that has handed its result back exits moments later: given that)."""
-    threads = [t for t in threading.enumerate() if t.name == "base-model-hash"]
-    for t in threads:
-        t.join(timeout=10)
-    return [t for t in threads if t.is_alive()]
 
 
 def test_ahead_gives_the_eval_hash_of_the_files_as_they_stand(model, tmp_path):
@@ -56,7 +47,7 @@ def test_cancel_stops_the_hash(model):
     ahead.cancel()
     assert isinstance(ahead.future.exception(timeout=60), refcache.Cancelled)
     assert ahead.result(model) is None
-    assert not _hash_threads()
+    assert not threads_running("base-model-hash")
     with pytest.raises(refcache.Cancelled):
         refcache.model_sha256(model, stop=ahead.stop)
 
@@ -81,7 +72,7 @@ def test_a_gpu_run_eval_uses_the_hash_made_during_its_quantize_stage(model, tmp_
     assert "reference_hash_ahead" in timings and "reference_hash_wait" in timings
     assert "reference_hash" not in timings
     assert rep["scored_on"]["reference_cache"]["model_sha256"] == refcache.model_sha256(model)
-    assert not _hash_threads()
+    assert not threads_running("base-model-hash")
 
 
 def test_a_cpu_run_hashes_in_its_eval(model, tmp_path, monkeypatch):
@@ -108,5 +99,5 @@ def test_a_run_refused_after_the_hash_began_leaves_none_running(model, tmp_path,
     assert main(["run", str(_recipe(tmp_path, model)), "--out", str(tmp_path / "a")]) == 2
     assert "error: not enough free disk" in capsys.readouterr().err
     assert len(started) == 1 and started[0].stop.is_set()
-    assert not _hash_threads()
+    assert not threads_running("base-model-hash")
     assert not (tmp_path / "a" / "tiny-hash").exists()

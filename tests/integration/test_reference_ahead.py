@@ -15,7 +15,7 @@ from pipeline import stages
 from quantize import runner
 from quantize.manifest import ArtifactError
 from quantize.recipe import EvalOptions
-from tests.conftest import eval_main, tiny_recipe
+from tests.conftest import eval_main, threads_running, tiny_recipe
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +37,6 @@ def loads(monkeypatch):
     return seen
 
 
-def _ahead_threads() -> list[threading.Thread]:
-    """The eval's own threads still running: the reference loading ahead, the cache entry being written. A pool's
-    worker exits moments after handing its result back, so each is given that long before it counts."""
-    threads = [t for t in threading.enumerate() if t.name.startswith(("reference-load", "reference-store"))]
-    for t in threads:
-        t.join(timeout=10)
-    return [t for t in threads if t.is_alive()]
-
-
 def test_cold_cache_loads_ahead_warm_cache_loads_nothing(artifact, loads, monkeypatch, tmp_path):
     out, recipe = artifact
     monkeypatch.setattr(refcache, "cache_dir", lambda: tmp_path)
@@ -56,7 +47,7 @@ def test_cold_cache_loads_ahead_warm_cache_loads_nothing(artifact, loads, monkey
     assert {"load_reference", "load_reference_wait", "reference_hash", "reference_store"} <= set(first["eval_timings_s"])
     # the entry was written beside the artifact's load and waited for before the report
     assert Path(first["scored_on"]["reference_cache"]["stored"]).is_file()
-    assert not _ahead_threads()
+    assert not threads_running("reference-load", "reference-store")
     # the files were hashed and their entry stored: the next eval guesses a hit and loads nothing
     assert refcache.probably_cached(recipe_model(out), torch.float32, torch.device("cpu"), 64)
     assert not refcache.probably_cached(recipe_model(out), torch.float32, torch.device("cpu"), 32)
@@ -90,7 +81,7 @@ def test_the_guess_follows_the_files_and_the_numbers_do_not(artifact, loads, mon
     assert "load_reference_wait" not in again["eval_timings_s"]
     assert again["perplexity"]["fp16"] == first["perplexity"]["fp16"]
     assert again["perplexity"]["quantized"]["ppl"] == first["perplexity"]["quantized"]["ppl"]
-    assert not _ahead_threads()
+    assert not threads_running("reference-load", "reference-store")
 
 
 def test_no_load_ahead_while_vllm_needs_the_device(artifact, loads, monkeypatch, tmp_path):
@@ -133,7 +124,7 @@ def test_a_refused_artifact_leaves_no_load_running(artifact, loads, monkeypatch,
     with pytest.raises(ArtifactError, match="sha256 differs from the manifest"):
         stages.evaluate(bad, None, eopts)
     assert len(loads) == 1 and loads[0].startswith("reference-load")
-    assert not _ahead_threads()
+    assert not threads_running("reference-load", "reference-store")
 
 
 def recipe_model(out):
