@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from quantize.capture.device import gptq_sweep  # noqa: E402
 from quantize.methods import gptq_sweep as gptq, output_error  # noqa: E402
+from quantize.methods.primitives import dequantize  # noqa: E402
 
 # name -> (out_features, in_features); Qwen2.5-7B: hidden 3584, intermediate 18944, 28 query / 4 key-value heads of 128
 SHAPES_7B = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
@@ -96,17 +97,12 @@ def grams(x: torch.Tensor, reps: int) -> dict:
     return out
 
 
-def _dequant(r: gptq.GptqResult, group: int) -> torch.Tensor:
-    gi = torch.arange(r.codes.shape[1], device=r.codes.device) // group
-    return (r.codes.float() - r.zeros[:, gi].float()) * r.scales[:, gi]
-
-
-def numerator_from_sweep(w: torch.Tensor, r: gptq.GptqResult, H: torch.Tensor, group: int) -> torch.Tensor:
+def numerator_from_sweep(w: torch.Tensor, r: gptq.GptqResult, H: torch.Tensor) -> torch.Tensor:
     """tr(ΔW H ΔWᵀ) from the sweep's loss (see the module's docstring)."""
     diag = H.diagonal()
     dead = diag == 0
     swept = torch.where(dead, torch.ones_like(diag), diag)
-    d = w.float().masked_fill(dead, 0) - _dequant(r, group)
+    d = w.float().masked_fill(dead, 0) - dequantize(r.codes, r.scales, r.zeros)
     sq = d.square()
     return 2 * r.row_loss.sum() - r.damp_used * swept.mean() * sq.sum() - sq[:, dead].sum()
 
@@ -126,7 +122,7 @@ def lazy_updates(w: torch.Tensor, block: int, device: torch.device, reps: int) -
     return timed(run, device, reps)
 
 
-def problem(name: str, shape: tuple[int, int], H: torch.Tensor, spec: gptq.GptqSpec, sweep, dtype, reps: int) -> dict:
+def problem(shape: tuple[int, int], H: torch.Tensor, spec: gptq.GptqSpec, sweep, dtype, reps: int) -> dict:
     device = H.device
     out_f, in_f = shape
     w = (torch.randn(out_f, in_f, device=device) * 0.02).to(dtype)
@@ -136,18 +132,32 @@ def problem(name: str, shape: tuple[int, int], H: torch.Tensor, spec: gptq.GptqS
     res["sweep_total_s"] = round(timed(lambda: gptq.gptq_quantize(w, H, spec, sweep=sweep), device, reps), 5)
     res["lazy_updates_float32_s"] = round(lazy_updates(w, spec.block_size, device, reps), 5)
     r = gptq.gptq_quantize(w, H, spec, sweep=sweep)
-    q = _dequant(r, spec.group).to(dtype)
+    q32 = dequantize(r.codes, r.scales, r.zeros)
+    q = q32.to(dtype)
     res["output_error_s"] = round(timed(lambda: output_error.from_hessian(w, q, H), device, reps), 5)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     w32 = w.float()
     res["denominator_only_s"] = round(timed(lambda: ((w32.to(dt) @ H.to(dt)).float() * w32).sum(), device, reps), 5)
-    res["numerator_from_sweep_s"] = round(timed(lambda: numerator_from_sweep(w, r, H, spec.group), device, reps), 5)
-    exact = torch.einsum("oi,ij,oj->", (w32 - _dequant(r, spec.group)).double(), H.double(),
-                         (w32 - _dequant(r, spec.group)).double())
-    res["numerator_rel_diff_vs_float64"] = float((numerator_from_sweep(w, r, H, spec.group).double() - exact).abs()
-                                                 / exact)
+    res["numerator_from_sweep_s"] = round(timed(lambda: numerator_from_sweep(w, r, H), device, reps), 5)
+    d64 = (w32 - q32).double()
+    exact = torch.einsum("oi,ij,oj->", d64, H.double(), d64)
+    res["numerator_rel_diff_vs_float64"] = float((numerator_from_sweep(w, r, H).double() - exact).abs() / exact)
     res["sweep_kernel"] = r.kernel
     return res
+
+
+def table(record: dict) -> str:
+    """The record's parts in milliseconds, one column per linear group (Markdown)."""
+    rows = [("Gram XᵀX of the input", lambda p: record["grams"][str(p["shape"][1])]["current"]["s"]),
+            ("factorisation", lambda p: p["factorisation_s"]), ("whole sweep", lambda p: p["sweep_total_s"]),
+            ("float32 cross-block updates", lambda p: p["lazy_updates_float32_s"]),
+            ("output error's products", lambda p: p["output_error_s"]),
+            ("its numerator from the sweep's loss", lambda p: p["numerator_from_sweep_s"])]
+    names = list(record["problems"])
+    out = [f"| ms, {record['device']} | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for label, get in rows:
+        out.append(f"| {label} | " + " | ".join(f"{1e3 * get(record['problems'][n]):.1f}" for n in names) + " |")
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.reps < 1:
         print("error: --reps must be at least 1", file=sys.stderr)
         return 2
+    if a.tokens is not None and a.tokens < 1:
+        print("error: --tokens must be at least 1 (or leave it out: 65536, --tiny 512)", file=sys.stderr)
+        return 2
+    if a.json is not None and not a.json.parent.is_dir():
+        print(f"error: --json {a.json}: its folder {a.json.parent} does not exist; create it or name another file",
+              file=sys.stderr)
+        return 2
     shapes = SHAPES_TINY if a.tiny else SHAPES_7B
     tokens = a.tokens or (512 if a.tiny else 65536)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -188,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         del x, acc
         print(json.dumps({"gram": width, **record["grams"][str(width)]}), flush=True)
     for name, shape in shapes.items():
-        record["problems"][name] = problem(name, shape, hessians[shape[1]], spec, sweep, dtype, a.reps)
+        record["problems"][name] = problem(shape, hessians[shape[1]], spec, sweep, dtype, a.reps)
         print(json.dumps({"problem": name, **record["problems"][name]}), flush=True)
+    print(table(record), flush=True)
     if a.json:
         a.json.write_text(json.dumps(record, indent=1) + "\n")
     return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import gptq_layer_anatomy
 
 
@@ -22,3 +24,10 @@ def test_a_bad_device_is_a_one_line_error(capsys):
     assert gptq_layer_anatomy.main(["--device", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args", [["--tokens", "0"], ["--reps", "0"], ["--json", "/no/such/folder/a.json"]])
+def test_bad_arguments_are_one_line_errors_before_any_work(args, capsys):
+    assert gptq_layer_anatomy.main(["--tiny", "--device", "cpu", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1 and captured.out == ""
