@@ -18,8 +18,8 @@ def from_hessian(w: torch.Tensor, q: torch.Tensor, H: torch.Tensor) -> torch.Ten
     """w, q: [out, in], H: [in, in] (2 XᵀX / n) -> e (0-dim float32 tensor, on w's device).
 
     On CUDA the two products [out, in] @ [in, in] run in bfloat16 on tensor cores, the sums in float32: on an H100
-    a 7B layer's four take 17.6 ms (docs/BENCHMARKS.md, "Where a 7B GPTQ layer's time goes"); bfloat16's rounding
-    is far below the differences it shows between linears. Elsewhere the products run in float32."""
+    those of all of a 7B layer's linears take 17.6 ms together (docs/BENCHMARKS.md, "Where a 7B GPTQ layer's time
+    goes"); bfloat16's rounding is far below the differences it shows between linears. Elsewhere the products run in float32."""
     dt = torch.bfloat16 if w.is_cuda else torch.float32
     w32 = w.float()
     d = w32 - q.float()  # [out, in]
