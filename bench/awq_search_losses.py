@@ -5,13 +5,15 @@
 
 `record` runs the recipe with every block search (`awq_search.search_scales` with an inspected block, i.e. not a
 single linear) evaluating all n_grid ratios on every batch, keeping each batch's squared error: the same ratios,
-losses and choice as the exhaustive search (`advanced.awq.coarse_step: 1`), so the artifact is the recipe's own.
+losses and choice as the exhaustive search (`advanced.awq.coarse_step: 1`, `awq.screen_keep: null`), so the
+artifact is the recipe's own with that search (and with its screening wherever that picks the same ratios).
 With `awq.propagate: fp` no choice changes a later layer's inputs, so what another search would pick can be read
 from these losses alone. `analyse` reports, over all searches:
 - exact pruning: evaluating the chosen ratio first and abandoning a candidate once its running loss passes the
   best (the terms are non-negative) costs, at token granularity, sum(min(1, best / loss)) of the forwards;
 - screening: all ratios on a random subset of b batches, then the k best (and ratio 0) on every batch: how often
-  it picks the exhaustive search's ratio, the loss it gives up, and its cost in forwards;
+  it picks the exhaustive search's ratio, the loss it gives up, and its cost in forwards; `first` rows screen on
+  the first half of the batches, as `awq.screen_keep` does (cost without its pruning);
 - with --plot, each search's loss over the ratio relative to its minimum (one line a search): how jagged it is.
 """
 
@@ -48,7 +50,7 @@ def record(recipe: str, out_json: Path, out_root: Path) -> None:
 
         # every candidate's every batch: no candidate stopped early
         result = search(x, linears, quantized, inspect, spec, *args, **{**kwargs, "reference": reference,
-                                                                        "prune": False})
+                                                                        "prune": False, "screen_keep": 0})
         n_grid = args[0] if args else kwargs.get("n_grid", 20)  # search_scales(x, ..., spec, n_grid, ...)
         if len(per) != len(result.losses) or len(per) != n_grid:
             raise SystemExit("error: the recipe's AWQ search is not exhaustive; set advanced.awq.coarse_step: 1")
@@ -74,22 +76,23 @@ def analyse(path: Path) -> dict:
         pruned += 1 + sum(min(1.0, best / f) for i, f in enumerate(full) if i != full.index(best))
     out = {"searches": len(searches), "batches": n_batches, "grid": n_grid,
            "exact_pruning_cost": round(pruned / (n_grid * len(searches)), 4), "screened": []}
-    for b in range(1, n_batches):
-        for k in (1, 2, 3, 4, 5):
+    for b, first in [(b, False) for b in range(1, n_batches)] + [(n_batches // 2, True)] * (n_batches > 1):
+        for k in ((3, 4, 5, 6, 7, 8) if first else (1, 2, 3, 4, 5)):
             same, excess, cost = 0, [], 0.0
             for j, r in enumerate(searches):
                 L = r["losses"]
                 full = [sum(x) for x in L]
                 best = min(range(n_grid), key=full.__getitem__)
-                subset = random.Random(j).sample(range(n_batches), b)
+                subset = list(range(b)) if first else random.Random(j).sample(range(n_batches), b)
                 screen = [sum(x[i] for i in subset) for x in L]
-                kept = set(sorted(range(n_grid), key=screen.__getitem__)[:k]) | {0}
+                ranked = range(1, n_grid) if first else range(n_grid)  # the product ranks all but ratio 0
+                kept = set(sorted(ranked, key=screen.__getitem__)[:k]) | {0}
                 pick = min(kept, key=full.__getitem__)
                 same += pick == best
                 excess.append(full[pick] / full[best] - 1)
                 cost += n_grid * b / n_batches + len(kept) * (n_batches - b) / n_batches
-            out["screened"].append({"batches": b, "keep": k, "same_pick": same, "max_loss_excess": max(excess),
-                                    "mean_loss_excess": sum(excess) / len(excess),
+            out["screened"].append({"batches": b, "first": first, "keep": k, "same_pick": same,
+                                    "max_loss_excess": max(excess), "mean_loss_excess": sum(excess) / len(excess),
                                     "cost": round(cost / (n_grid * len(searches)), 4)})
     return out
 
@@ -139,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{result['searches']} searches, {result['batches']} batches, grid {result['grid']}: exact pruning "
           f"costs at least {result['exact_pruning_cost']:.2f} of the forwards")
     for row in result["screened"]:
-        print(f"  screen on {row['batches']}/{result['batches']} batches, keep {row['keep']}: same pick "
+        print(f"  screen on {'the first ' if row['first'] else ''}{row['batches']}/{result['batches']} batches, "
+              f"keep {row['keep']}: same pick "
               f"{row['same_pick']}/{result['searches']}, loss given up max {row['max_loss_excess']:.2e} mean "
               f"{row['mean_loss_excess']:.2e}, cost {row['cost']:.2f}")
     if args.json:

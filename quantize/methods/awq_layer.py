@@ -24,14 +24,15 @@ from ..runlog import RunLog
 from .base import ERRORS
 from .gptq_layer import gptq_spec
 from .layer import (QuantResult, batches, cost, expert_hidden, feature_of, first_output, local_linears, moe_linears,
-                    owned, qspec, read_back, routing, rows_of, search_batches, store, store_rows, unit_inputs, units)
+                    owned, qspec, read_back, routing, rows_of, screen_split, search_batches, store, store_rows, unit_inputs,
+                    units)
 
 
 def _search_stats(r, forward_dtype: torch.dtype | None) -> dict:
     """An AWQ scale search's record: the chosen ratio, its loss, round-to-nearest's loss, candidates tried, and for
     a search that ran an inspected block, the dtype of those forwards."""
     return {"best_ratio": r.ratio, "loss": r.losses[r.ratio], "loss_rtn": r.losses[0.0], "n_evaluated": len(r.losses),
-            "n_pruned": r.pruned,
+            "n_pruned": r.pruned, "n_screened_out": r.screened,
             **({"forward_dtype": str(forward_dtype).removeprefix("torch.")} if forward_dtype is not None else {})}
 
 
@@ -48,9 +49,10 @@ def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], 
     x = data.features[g.linears[0]]  # [tokens, in]
     sizes = [t.shape[0] * t.shape[1] for t in data.inputs]
     x_loss = rows_of(x, sizes, chosen)
-    xb = batches(x_loss, [data.inputs[i] for i in chosen])
-    kwargs = [data.kwargs[i] for i in chosen]
     block = layer.get_submodule(g.inspect) if g.inspect else None
+    xb, kwargs, screen = batches(x_loss, [data.inputs[i] for i in chosen]), [data.kwargs[i] for i in chosen], 0
+    if block is not None and opts.screen_keep:
+        xb, kwargs, screen = screen_split(xb, kwargs if g.inspect_takes_layer_kwargs else [None] * len(xb))
     weights = next((linears[0] if block is None else block).parameters()).dtype
     cast = None if block is None else awq_search_dtype(fast.search_dtype, x.device, weights)
 
@@ -60,22 +62,23 @@ def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], 
     if block is None:
         run_inspect = None  # the single linear itself: loss from XᵀX or X ΔWᵀ, no forward per grid point
     elif g.inspect_takes_layer_kwargs:  # generators: the search may stop a candidate after any batch
-        def run_inspect():
-            return (forward(xi, kw) for xi, kw in zip(xb, kwargs))
+        def run_inspect(start: int = 0):
+            return (forward(xi, kw) for xi, kw in zip(xb[start:], kwargs[start:]))
     else:
-        def run_inspect():
-            return (forward(xi, None) for xi in xb)
+        def run_inspect(start: int = 0):
+            return (forward(xi, None) for xi in xb[start:])
     reference = gram = None
     with torch.no_grad():
         if shared is not None:  # the name holds what the value depends on besides the shared inputs
-            key = ("awq.search", g.inspect or g.linears[0], tuple(chosen), x.dtype, weights, cast)
+            key = ("awq.search", g.inspect or g.linears[0], tuple(chosen), len(xb), x.dtype, weights, cast)
             if key not in shared:
                 shared[key] = awq.loss_gram(x_loss) if run_inspect is None else list(run_inspect())
             gram, reference = (shared[key], None) if run_inspect is None else (None, shared[key])
         r = awq.search_scales(x, linears, quantized, run_inspect, spec, opts.n_grid, opts.duo_scaling,
                               coarse_step=fast.coarse_step, x_loss=x_loss, grid_batch=fast.grid_batch,
                               spread=None if dist is None else dist.spread, reference=reference, gram=gram,
-                              fq=awq_fake_quant(fast.search_kernel, x.device))
+                              fq=awq_fake_quant(fast.search_kernel, x.device), screen_batches=screen,
+                              screen_keep=opts.screen_keep or 0)
     return r, None if block is None else cast or weights
 
 

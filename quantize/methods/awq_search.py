@@ -25,12 +25,16 @@ For a group whose inspected block is the linear itself, the scale-search loss is
 Cheaper searches (recipe options, see docs/BENCHMARKS.md for what each costs in quality):
 - the loss may be measured on a subset of the calibration tokens (`x_loss`; the caller picks it), while
   the statistic mean|X| always uses every token;
+- screening (`screen_batches`, `screen_keep`), for an inspected block: every ratio runs on the leading batches
+  only, and just the `screen_keep` best there (and α = 0) go on over the rest; each whole loss is the sum the
+  exhaustive search forms, so the pick is the exhaustive one whenever it is among those kept;
 - coarse-to-fine over α (`coarse_step`): a coarse grid, then halving steps around its best point;
 - single-linear groups evaluate several candidates in one matmul (`grid_batch`), exact.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -119,6 +123,7 @@ class ScaleSearch:
     ratio: float
     losses: dict[float, float]  # α -> loss, in evaluation order; α = 0 (round-to-nearest) is always present
     pruned: int = 0  # candidates stopped before their last batch: their loss had passed the best whole one
+    screened: int = 0  # candidates a screened search did not continue past its screening batches
 
 
 def _linear_losses(deltas: torch.Tensor, x: torch.Tensor, gram: torch.Tensor | None) -> list[float]:
@@ -153,6 +158,8 @@ def search_scales(
     gram: torch.Tensor | None = None,
     prune: bool = True,
     fq: FakeQuant = TORCH_FQ,
+    screen_batches: int = 0,
+    screen_keep: int = 0,
 ) -> ScaleSearch:
     """x: [tokens, in] shared input of `linears` -> best scales [in] (fp32), ratio and losses.
 
@@ -172,8 +179,14 @@ def search_scales(
     so far (`_block_loss`): the same pick, fewer block forwards; its loss is then not in `losses`. run_inspect may
     return a generator, so that a stopped candidate's remaining batches are never run.
     fq: how each candidate is fake-quantized (the same values either way).
+    screen_batches, screen_keep (> 0, with an inspected block, coarse_step <= 1 and more batches than
+    screen_batches): every ratio's squared error on the first screen_batches batches, then α = 0 and the
+    screen_keep ratios with the least of it (ties: the lower ratio) continued over the rest, from the same running
+    sum; `run_inspect(start=b)` must then run the batches from b on. The others count in `screened`.
     Weights are restored before returning.
     """
+    if screen_keep and coarse_step > 1:
+        raise ValueError("a screened search evaluates the whole grid: coarse_step must be 1")
     x_loss = x if x_loss is None else x_loss
     x_mean = x.abs().mean(dim=0, dtype=torch.float32)  # [in]
     w = torch.cat([fc.weight.detach() for fc in linears], dim=0)  # [sum_out, in]
@@ -198,23 +211,29 @@ def search_scales(
         reference = list(run_inspect()) if reference is None else reference
         n_out = sum(r.numel() for r in reference)
 
+        def set_candidate(s: torch.Tensor) -> None:
+            for fc, orig, q in zip(linears, originals, quantized):
+                if q:
+                    fc.weight.data = fq.candidate(orig, s, spec)
+
         def losses_of(cands: list[torch.Tensor]) -> list[float | None]:
             out: list[float | None] = []
             bound = best_loss if prune else float("inf")
             for s in cands:
-                for fc, orig, q in zip(linears, originals, quantized):
-                    if q:
-                        fc.weight.data = fq.candidate(orig, s, spec)
+                set_candidate(s)
                 out.append(_block_loss(run_inspect(), reference, n_out, bound))
                 if prune and out[-1] is not None and out[-1] < bound:
                     bound = out[-1]
             return out
 
     evaluate = spread or (lambda fn, cands, chunk: fn(cands))
+    prune = prune and spread is None  # ranks evaluating shares of a round would each know only their own best
+    if run_inspect is not None and screen_keep > 0 and 0 < screen_batches < len(reference):
+        return _screened(x_mean, w_mean, n_grid, duo_scaling, set_candidate, run_inspect, reference, screen_batches,
+                         screen_keep, evaluate, prune, linears, originals)
     chunk = grid_batch if run_inspect is None else 1
     losses: dict[float, float] = {}
     best_i, best_loss, pruned = None, float("inf"), 0
-    prune = prune and spread is None  # ranks evaluating shares of a round would each know only their own best
     rounds = grid_order(n_grid, coarse_step)
     try:
         idx = next(rounds)
@@ -238,20 +257,82 @@ def search_scales(
     return ScaleSearch(_duo_scales(x_mean, w_mean, best_i / n_grid, duo_scaling), best_i / n_grid, losses, pruned)
 
 
-def _block_loss(outputs: Iterable[torch.Tensor], reference: list[torch.Tensor], n_out: int,
-                bound: float) -> float | None:
-    """Mean squared difference of a candidate's per-batch block outputs from the reference -> the loss, or None as
-    soon as the running sum passes `bound` (the best whole loss so far): the batches' squared errors are >= 0 and
+def _screened(x_mean: torch.Tensor, w_mean: torch.Tensor, n_grid: int, duo_scaling: bool,
+              set_candidate: Callable[[torch.Tensor], None], run_inspect: Callable[..., Iterable[torch.Tensor]],
+              reference: list[torch.Tensor], screen: int, keep: int,
+              evaluate: Callable[[Callable[[list], list], list, int], list], prune: bool,
+              linears: Sequence[nn.Linear], originals: list[torch.Tensor]) -> ScaleSearch:
+    """`search_scales`'s screened form: every ratio's squared-error sum over the first `screen` batches of
+    `reference`, then α = 0 and the `keep` ratios least there continued over the rest (α = 0 first, the others
+    in screening order, each stopped once its running loss passes the best whole one when `prune`)."""
+    n_out = sum(r.numel() for r in reference)
+    device = reference[0].device
+
+    def screen_sums(cands: list[torch.Tensor]) -> list[float]:
+        out = []
+        for s in cands:
+            set_candidate(s)
+            out.append(_error_sum(run_inspect(), reference[:screen], n_out, float("inf")))
+        return out
+
+    best_loss = float("inf")
+
+    def whole_losses(items: list[tuple[torch.Tensor, float]]) -> list[float | None]:
+        nonlocal best_loss
+        out: list[float | None] = []
+        for s, partial in items:
+            if prune and partial / n_out > best_loss:  # its screening batches alone already lose
+                out.append(None)
+                continue
+            set_candidate(s)
+            start = torch.tensor(partial, dtype=torch.float32, device=device)  # the screen's sum, bit for bit
+            total = _error_sum(run_inspect(start=screen), reference[screen:], n_out,
+                               best_loss if prune else float("inf"), start)
+            out.append(None if total is None else total / n_out)
+            if prune and out[-1] is not None and out[-1] < best_loss:
+                best_loss = out[-1]
+        return out
+
+    try:
+        cands = [_duo_scales(x_mean, w_mean, i / n_grid, duo_scaling) for i in range(n_grid)]
+        sums = evaluate(screen_sums, cands, 1)
+        rank = sorted(range(1, n_grid), key=lambda i: (sums[i] if math.isfinite(sums[i]) else math.inf, i))
+        kept = [0] + rank[:keep]  # α = 0 first: never stopped, so round-to-nearest's loss is always recorded
+        whole = evaluate(whole_losses, [(cands[i], sums[i]) for i in kept], 1)
+    finally:
+        for fc, orig in zip(linears, originals):
+            fc.weight.data = orig
+    losses = {i / n_grid: loss for i, loss in zip(kept, whole) if loss is not None}
+    finite = [(loss, i) for i, loss in zip(kept, whole) if loss is not None and math.isfinite(loss)]
+    if not finite:
+        raise FloatingPointError("AWQ scale search produced no finite loss (NaN/inf in activations or weights)")
+    best_i = min(finite)[1]  # the least loss; between equal ones the lower ratio, as the exhaustive search picks
+    return ScaleSearch(cands[best_i], best_i / n_grid, losses, pruned=sum(loss is None for loss in whole),
+                       screened=n_grid - len(kept))
+
+
+def _error_sum(outputs: Iterable[torch.Tensor], reference: list[torch.Tensor], n_out: int, bound: float,
+               start: torch.Tensor | None = None) -> float | None:
+    """Squared difference of a candidate's per-batch block outputs from the reference, summed batch by batch in
+    order and added to `start` (a sum over earlier batches) when given -> the sum, or None as soon as sum / n_out
+    passes `bound` (the best whole loss so far) before the last batch: the batches' squared errors are >= 0 and
     float addition of non-negative terms never decreases, so such a candidate's whole loss is above `bound` too
-    and it cannot be the search's pick; stopping skips its remaining block forwards, the pick is the same.
-    The sum is formed batch by batch in order, as one `sum` over the batches forms it."""
-    err, last = None, len(reference) - 1
-    for b, (o, r) in enumerate(zip(outputs, reference)):
+    and it cannot be the search's pick; stopping skips its remaining block forwards, the pick is the same."""
+    err, last = start, len(reference) - 1
+    for b, (r, o) in enumerate(zip(reference, outputs)):  # reference first: zip never asks for a batch more
         e = (o.float() - r.float()).pow(2).sum()
         err = e if err is None else err + e
         if b < last and bound != float("inf") and err.item() / n_out > bound:  # after the last: nothing to skip
             return None
-    return err.item() / n_out
+    return err.item()
+
+
+def _block_loss(outputs: Iterable[torch.Tensor], reference: list[torch.Tensor], n_out: int,
+                bound: float) -> float | None:
+    """Mean squared difference of a candidate's block outputs from the reference -> the loss, or None once its
+    running sum passes `bound` (`_error_sum`)."""
+    total = _error_sum(outputs, reference, n_out, bound)
+    return None if total is None else total / n_out
 
 
 def loss_gram(x_loss: torch.Tensor) -> torch.Tensor | None:

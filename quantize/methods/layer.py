@@ -115,6 +115,32 @@ def batches(x: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     return [part.reshape(t.shape[0], t.shape[1], -1) for part, t in zip(torch.split(x, sizes), like)]
 
 
+def screen_split(xb: list[torch.Tensor], kwargs: list) -> tuple[list[torch.Tensor], list, int]:
+    """A scale search's batches [b, seq, in] and their layer keyword arguments (None: the block takes none) ->
+    (batches, kwargs, screen): the first `screen` batches are a screened search's screening half (0: none).
+
+    Two or more batches: the first half of them, rounded down. A single batch of b >= 2 sequences is cut into its
+    first and second half when its keyword arguments hold no tensor with b rows (positions and masks shared by
+    every sequence: what a decoder stack hands its layers without padding); the halves hold the same sequences."""
+    if len(xb) >= 2:
+        return xb, kwargs, len(xb) // 2
+    b = xb[0].shape[0] if xb else 0
+    if b < 2 or _per_sequence(kwargs[0], b):
+        return xb, kwargs, 0
+    return [xb[0][: b // 2], xb[0][b // 2 :]], [kwargs[0], kwargs[0]], 1
+
+
+def _per_sequence(obj, b: int) -> bool:
+    """Whether obj (nested tuples, lists, dicts) holds a tensor whose first dimension is b."""
+    if isinstance(obj, torch.Tensor):
+        return obj.dim() > 0 and obj.shape[0] == b
+    if isinstance(obj, (tuple, list)):
+        return any(_per_sequence(o, b) for o in obj)
+    if isinstance(obj, dict):
+        return any(_per_sequence(o, b) for o in obj.values())
+    return False
+
+
 def first_output(y):
     return y[0] if isinstance(y, tuple) else y
 

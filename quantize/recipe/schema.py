@@ -106,6 +106,10 @@ class Recipe(_Strict):
         if self.advanced.awq.coarse_step >= self.awq.n_grid:
             raise ValueError(f"advanced.awq.coarse_step {self.advanced.awq.coarse_step} must be below awq.n_grid "
                              f"{self.awq.n_grid} (1 evaluates every grid point)")
+        if self.advanced.awq.coarse_step > 1 and self.awq.screen_keep:
+            raise ValueError(f"advanced.awq.coarse_step {self.advanced.awq.coarse_step} and awq.screen_keep "
+                             f"{self.awq.screen_keep} are two ways to search part of the grid: set awq.screen_keep: "
+                             f"null to search coarse-to-fine, or coarse_step: 1")
         for name, given in self.sections.items():
             if name not in methods.REGISTRY or name in type(self).model_fields:
                 raise ValueError("key `sections` is not a recipe key; write a method's options under its name")

@@ -3,6 +3,7 @@ import torch
 import torch.nn as nn
 
 from quantize.methods import awq_search as awq, gptq_sweep as gptq
+from quantize.methods.layer import screen_split
 from quantize.methods.primitives import dequantize, fake_quant, quantize
 
 SPEC = awq.QSpec(4, 32, symmetric=False)
@@ -138,6 +139,105 @@ def test_pruned_search_picks_what_the_whole_search_picks_with_fewer_block_forwar
         assert runs[True] < runs[False] == 8 * 21  # the reference, then 20 candidates
         stopped += fast.pruned
     assert stopped > 0
+
+
+def _counted_inspect(mlp, xb, counter):
+    """run_inspect over batches xb from `start` on, counting the block forwards it runs."""
+    def run(start=0):
+        for xi in xb[start:]:
+            counter[0] += 1
+            yield mlp(xi)
+    return run
+
+
+@pytest.mark.parametrize("keep", [19, 3])
+def test_screened_search_continues_the_least_screening_losses_and_forms_the_exhaustive_sums(keep):
+    """Every ratio runs on the screening batches; α = 0 and the `keep` least there run on, each to the loss the
+    exhaustive search forms (equal bit for bit); the pick is the least of those; no batch beyond is run."""
+    for seed in range(4):
+        x, linears, mlp = _mlp_problem(seed)
+        xb, screen = list(x.split(128)), 3  # 8 batches, the first 3 screen
+        full = awq.search_scales(x, linears, [True, True], _counted_inspect(mlp, xb, [0]), SPEC, n_grid=20,
+                                 prune=False)
+        sums = []
+        for i in range(20):  # each ratio's squared error on the screening batches, as the search forms it
+            s = awq._duo_scales(x.abs().mean(0), _w_mean(linears), i / 20, True)
+            saved = [fc.weight.data for fc in linears]
+            for fc in linears:
+                fc.weight.data = awq._scaled_fake_quant(fc.weight.data, s, SPEC)
+            sums.append(sum((mlp(xi).float() - mlp_ref).pow(2).sum() for xi, mlp_ref in
+                            zip(xb[:screen], _refs(mlp, xb[:screen], linears, saved))).item())
+            for fc, w in zip(linears, saved):
+                fc.weight.data = w
+        kept = {0} | set(sorted(range(1, 20), key=lambda i: (sums[i], i))[:keep])
+        runs = [0]
+        fast = awq.search_scales(x, linears, [True, True], _counted_inspect(mlp, xb, runs), SPEC, n_grid=20,
+                                 prune=False, screen_batches=screen, screen_keep=keep)
+        assert {round(a * 20) for a in fast.losses} == kept and fast.screened == 20 - len(kept)
+        assert fast.losses == {a: full.losses[a] for a in fast.losses}
+        assert fast.ratio == min(fast.losses, key=lambda a: (fast.losses[a], a))
+        assert torch.equal(fast.scales, awq._duo_scales(x.abs().mean(0), _w_mean(linears), fast.ratio, True))
+        assert runs[0] == 8 + 20 * screen + len(kept) * (8 - screen)  # the reference, screening, the rest
+        if keep == 19:
+            assert fast.ratio == full.ratio and fast.screened == 0
+
+
+def _w_mean(linears):
+    w = torch.cat([fc.weight.detach() for fc in linears])
+    wg = w.abs().float().reshape(-1, SPEC.group)
+    return (wg / (wg.amax(dim=1, keepdim=True) + 1e-6)).reshape(w.shape).mean(dim=0)
+
+
+def _refs(mlp, xb, linears, saved):
+    """The block's outputs on xb with the weights `saved` (the search's reference)."""
+    now = [fc.weight.data for fc in linears]
+    for fc, w in zip(linears, saved):
+        fc.weight.data = w
+    out = [mlp(xi) for xi in xb]
+    for fc, w in zip(linears, now):
+        fc.weight.data = w
+    return out
+
+
+def test_screened_search_prunes_and_spreads_to_the_same_pick():
+    """Stopping candidates whose running loss passes the best whole one, or computing each round's losses in
+    shares (as ranks do), changes neither the pick nor any loss run to its end."""
+    stopped = 0
+    for seed in range(4):
+        x, linears, mlp = _mlp_problem(seed)
+        xb = list(x.split(128))
+        kw = dict(n_grid=20, screen_batches=4, screen_keep=15)  # many kept: some lose on the way
+        plain = awq.search_scales(x, linears, [True, True], _counted_inspect(mlp, xb, [0]), SPEC, prune=False, **kw)
+        runs = [0]
+        pruned = awq.search_scales(x, linears, [True, True], _counted_inspect(mlp, xb, runs), SPEC, **kw)
+
+        def spread(fn, items, chunk):  # two "ranks", each its share, gathered in order
+            half = len(items) // 2
+            return fn(items[:half]) + fn(items[half:])
+
+        shared = awq.search_scales(x, linears, [True, True], _counted_inspect(mlp, xb, [0]), SPEC, spread=spread,
+                                   **kw)
+        assert pruned.ratio == plain.ratio == shared.ratio and shared.losses == plain.losses
+        assert pruned.losses == {a: plain.losses[a] for a in pruned.losses}
+        assert len(pruned.losses) + pruned.pruned == len(plain.losses) == 16 and plain.pruned == 0
+        whole = 8 + 20 * 4 + 16 * 4  # the reference, screening, the rest of the 16 kept
+        assert runs[0] <= whole - pruned.pruned  # a stopped candidate skips at least its last batch
+        stopped += pruned.pruned
+    assert stopped > 0
+
+
+def test_screen_split_halves_the_batches_or_cuts_one_whose_arguments_are_shared():
+    """Two or more batches: the first half screen. One batch: cut into halves only when no keyword argument has a
+    row per sequence (a per-sequence mask would no longer match its half); one sequence: nothing to cut."""
+    xs = [torch.randn(4, 8, 16) for _ in range(3)]
+    assert screen_split(xs, [None] * 3)[2] == 1 and screen_split(xs[:2], [None] * 2)[0] == xs[:2]
+    shared = {"position_embeddings": (torch.randn(1, 8, 4), torch.randn(1, 8, 4)), "attention_mask": None}
+    halves, kw, screen = screen_split(xs[:1], [shared])
+    assert screen == 1 and [h.shape[0] for h in halves] == [2, 2] and torch.equal(torch.cat(halves), xs[0])
+    assert kw == [shared, shared]
+    per_row = {"attention_mask": torch.ones(4, 1, 8, 8), "position_ids": torch.arange(8)[None]}
+    assert screen_split(xs[:1], [per_row]) == (xs[:1], [per_row], 0)
+    assert screen_split([torch.randn(1, 8, 16)], [None])[2] == 0
 
 
 def test_token_subset_picks_near_exhaustive_scales():

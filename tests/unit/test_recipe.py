@@ -206,7 +206,7 @@ def test_speed_experiments_are_only_under_advanced(tmp_path):
     msg = _err(tmp_path, method="gptq", zero_point=False, gptq={"update": "tf32"})
     assert "`gptq.update`: unknown key" in msg and "block_size" in msg
     assert "`awq.grid_batch`: unknown key" in _err(tmp_path, awq={"grid_batch": 2})
-    r = load_recipe(write_recipe(tmp_path / "a.yaml", **{**BASE, "name": "a", "advanced": {
+    r = load_recipe(write_recipe(tmp_path / "a.yaml", **{**BASE, "name": "a", "awq": {"screen_keep": None}, "advanced": {
         "awq": {"grid_batch": 2, "coarse_step": 4}, "gptq": {"update": "tf32"}}}))
     assert (r.advanced.awq.grid_batch, r.advanced.awq.coarse_step, r.advanced.gptq.update) == (2, 4, "tf32")
     assert "`advanced.kernel`: unknown key; allowed keys here: awq, gptq" in _err(tmp_path, advanced={"kernel": "torch"})
@@ -216,17 +216,28 @@ def test_awq_search_options_defaults_round_trip():
     """The cheaper-search defaults survive to_dict -> Recipe, and the exhaustive search is expressible."""
     r = Recipe(name="x", **BASE)
     assert (r.awq.search_tokens, r.advanced.awq.coarse_step, r.advanced.awq.grid_batch) == (16384, 1, 4)
-    assert (r.awq.clip_search, r.awq.refit_iters, r.awq.rounding) == ("per_side", 2, "rtn")
+    assert (r.awq.clip_search, r.awq.refit_iters, r.awq.rounding, r.awq.screen_keep) == ("per_side", 2, "rtn", 6)
     assert Recipe(**r.to_dict()) == r
-    exhaustive = Recipe(name="x", **BASE, awq=dict(search_tokens=None), advanced=dict(awq=dict(coarse_step=4)))
+    exhaustive = Recipe(name="x", **BASE, awq=dict(search_tokens=None, screen_keep=None))
     again = Recipe(**exhaustive.to_dict())
-    assert again.awq.search_tokens is None and again.advanced.awq.coarse_step == 4
+    assert again.awq.search_tokens is None and again.awq.screen_keep is None
+    coarse = Recipe(name="x", **BASE, awq=dict(screen_keep=None), advanced=dict(awq=dict(coarse_step=4)))
+    assert Recipe(**coarse.to_dict()).advanced.awq.coarse_step == 4
 
 
 def test_awq_coarse_step_must_be_below_n_grid(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("name: bad\nmodel: some/model\nmethod: awq\nawq: {n_grid: 8}\nadvanced: {awq: {coarse_step: 8}}\n")
     with pytest.raises(RecipeError, match=r"advanced.awq.coarse_step 8 must be below awq.n_grid 8"):
+        load_recipe(p)
+
+
+def test_awq_screening_and_coarse_to_fine_are_not_combined(tmp_path):
+    """Both search part of the grid; the message names both keys and what to set."""
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: bad\nmodel: some/model\nmethod: awq\nadvanced: {awq: {coarse_step: 4}}\n")
+    with pytest.raises(RecipeError, match=r"advanced.awq.coarse_step 4 and awq.screen_keep 6 .* set awq.screen_keep: "
+                                          r"null to search coarse-to-fine, or coarse_step: 1"):
         load_recipe(p)
 
 
