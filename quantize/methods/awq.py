@@ -33,9 +33,10 @@ class AwqOptions(Strict):
     search_tokens: int | None = Field(16384, gt=0)
     # screening, for a search through a whole block (attention, MLP): every ratio's loss on the first half of
     # those tokens, then only α = 0 and the screen_keep ratios least there on the rest; null = every ratio on
-    # every token. 6 (of 20) picks the exhaustive search's ratio wherever that is among them, which on SmolLM2's
-    # default it was in all 60 block searches (docs/BENCHMARKS.md); a third fewer block forwards
-    screen_keep: int | None = Field(6, gt=0)
+    # every token. The pick is the exhaustive search's wherever that is among those kept: with 7 (of 20) it was
+    # in every block search of every shipped AWQ recipe (their weights are the exhaustive search's; with 6, one
+    # search of smollm2-awq-g32 picked another ratio: docs/BENCHMARKS.md), for ~0.7 of the block forwards
+    screen_keep: int | None = Field(7, gt=0)
     # clip candidates: "symmetric" = AutoAWQ's ±max|w| shrink; "per_side" adds shrinking max and min on their
     # own (zero-point grids; a symmetric grid depends on max|w| alone, so there both are the same search).
     # per_side + refit_iters 2: SmolLM2 g64 24.20 -> 23.92 ppl (16 windows) for ~2.3x the clip search's time,

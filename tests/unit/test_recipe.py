@@ -216,7 +216,7 @@ def test_awq_search_options_defaults_round_trip():
     """The cheaper-search defaults survive to_dict -> Recipe, and the exhaustive search is expressible."""
     r = Recipe(name="x", **BASE)
     assert (r.awq.search_tokens, r.advanced.awq.coarse_step, r.advanced.awq.grid_batch) == (16384, 1, 4)
-    assert (r.awq.clip_search, r.awq.refit_iters, r.awq.rounding, r.awq.screen_keep) == ("per_side", 2, "rtn", 6)
+    assert (r.awq.clip_search, r.awq.refit_iters, r.awq.rounding, r.awq.screen_keep) == ("per_side", 2, "rtn", 7)
     assert Recipe(**r.to_dict()) == r
     exhaustive = Recipe(name="x", **BASE, awq=dict(search_tokens=None, screen_keep=None))
     again = Recipe(**exhaustive.to_dict())
@@ -236,7 +236,7 @@ def test_awq_screening_and_coarse_to_fine_are_not_combined(tmp_path):
     """Both search part of the grid; the message names both keys and what to set."""
     p = tmp_path / "bad.yaml"
     p.write_text("name: bad\nmodel: some/model\nmethod: awq\nadvanced: {awq: {coarse_step: 4}}\n")
-    with pytest.raises(RecipeError, match=r"advanced.awq.coarse_step 4 and awq.screen_keep 6 .* set awq.screen_keep: "
+    with pytest.raises(RecipeError, match=r"advanced.awq.coarse_step 4 and awq.screen_keep 7 .* set awq.screen_keep: "
                                           r"null to search coarse-to-fine, or coarse_step: 1"):
         load_recipe(p)
 
