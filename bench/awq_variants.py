@@ -40,7 +40,8 @@ def share_scale_search() -> dict:
     def shared(data, g, quantized, chosen, recipe, spec, dist=None, inputs=None):
         opts = recipe.awq
         key = (data.index, g.prev, tuple(quantized), tuple(chosen), opts.n_grid, opts.duo_scaling,
-               recipe.advanced.awq.coarse_step, recipe.advanced.awq.search_dtype, opts.search_tokens, spec)
+               recipe.advanced.awq.coarse_step, recipe.advanced.awq.search_dtype, opts.search_tokens, opts.screen_keep,
+               spec)
         if key not in cache:
             cache.clear() if cache and next(iter(cache))[0] != data.index else None
             cache[key] = search(data, g, quantized, chosen, recipe, spec, dist, inputs)
