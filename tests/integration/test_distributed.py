@@ -81,8 +81,9 @@ def _gptq_losses(art: Path) -> dict[str, float]:
 
 VARIANTS = {
     "awq": {},
-    # GPTQ's rounding on AWQ's grids (one owner per shared input), a coarse-to-fine search (rounds of candidates)
-    "awq-gptq-rounding": dict(awq=dict(n_grid=10, clip_grid=10, rounding="gptq"),
+    # GPTQ's rounding on AWQ's grids (one owner per shared input), a coarse-to-fine search (rounds of candidates;
+    # the default "awq" variant spreads the screened search's two rounds)
+    "awq-gptq-rounding": dict(awq=dict(n_grid=10, clip_grid=10, rounding="gptq", screen_keep=None),
                               advanced=dict(awq=dict(coarse_step=2))),
     "gptq": dict(method="gptq", zero_point=False),
     # one owner tunes each layer on every batch (gathered bit for bit) and shares the codes: byte-identical
