@@ -20,6 +20,7 @@ from ..errors import UserError
 from ..source.arch import Arch, decoder_layers, get_module
 from . import hostpages
 from .device import Uploader, clock, device_copy, release_cache
+from .replay import OutputReplay
 from .distributed import Dist
 from ..progress import Progress
 from ..runlog import RunLog
@@ -51,6 +52,9 @@ class LayerData:
     # that see the same (propagate "fp"): name -> value, the name holding everything else the value depends on.
     # None where no other job will ask (one job, or a job with its own chain): nothing is kept.
     shared: dict | None = None
+    # for a job with its own chain: the job declares linears finished (`OutputReplay.freeze`) and their outputs are
+    # computed once per batch for its later forwards of this layer and the chain's; None for other jobs
+    replay: OutputReplay | None = None
 
 
 def _map(obj, fn):
@@ -405,12 +409,17 @@ class _SharedPass:
             if job.wants_features and job.propagate != "fp":
                 _, feats = self._forward(layer, self.chains[n], self.names)
             work = layer if len(jobs) == 1 else copy.deepcopy(layer)
+            replay = OutputReplay(work) if job.propagate == "quantized" else None
             job.process(LayerData(i, work, self.chains.get(n, self.inputs), self.kwargs, feats,
                                   shared=fp_shared if job.propagate == "fp" and len(fp_jobs) > 1 else None,
-                                  fp_features=fp_ref, fp_outputs=fp_outs if job.wants_fp_outputs else []))
+                                  fp_features=fp_ref, fp_outputs=fp_outs if job.wants_fp_outputs else [],
+                                  replay=replay))
             del feats, fp_ref
             if job.propagate == "quantized":
-                self._advance_chain(i, n, work)
+                try:
+                    self._advance_chain(i, n, work)
+                finally:
+                    replay.close()
             job.keep(i, work)
             del work
             job.seconds += time.perf_counter() - tj

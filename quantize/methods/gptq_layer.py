@@ -186,6 +186,8 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
                 store(layer, n, layer_prefix(arch, data.index), codes, scales.to(scale_dtype), zeros, results)
                 losses[n] = row_loss.sum()
                 stats[n] = {"damp": r.damp_used, "dead_columns": r.dead_columns, "kernel": r.kernel}
+        if data.replay is not None:  # final now: the later stages' forwards and the chain's reuse their outputs
+            data.replay.freeze(names)
         for shared, ws, k in zip(groups, weights, keys):
             for n, w in zip(shared, ws):
                 errors[n] = output_error.from_hessian(w, layer.get_submodule(n).weight.data, hessians[k])

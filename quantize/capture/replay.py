@@ -1,0 +1,151 @@
+"""Outputs of a layer's finished linears, computed once per batch and replayed in the layer's later forwards.
+
+A job with its own chain (GPTQ's true-sequential stages) runs the layer over every batch once per stage, each time
+up to the next stage's linears, and the chain's forward runs it whole once more: the linears finished in an early
+stage compute the same products in every later forward (q/k/v four times, gate/up twice on a dense decoder: about
+half of a 7B layer's forward FLOPs). Once the job declares a linear finished (`OutputReplay.freeze`), its output for
+a batch is kept the first time it is computed and handed back in the later forwards of the same batch, so each
+product runs once. The replayed tensor is the one computing it again would give, bit for bit: the same kernel on
+the same weights and the same input, which is what the checks below hold to:
+
+- a batch is known by the layer input tensor the layer's forward was called with (the job's and the chain's
+  forwards pass the same tensor objects) and by the linear's call count within that forward; a linear called
+  outside a forward of the whole layer is computed as usual;
+- the weight must still be the tensor, storage and dtype it was when the output was kept (the pass's float32
+  retry after an overflow casts it: the kept output is then computed again);
+- the kept output must not have been written in place since (its version counter), else it is computed again.
+
+Memory: kept outputs take at most half of what the device had free when the job first froze a linear
+(`available_bytes`); past that, outputs are computed as without a replay. The caller closes the replay after the
+chain's forward (`close`): the layer's linears are as they were and the outputs are released.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+BUDGET_SHARE = 0.5  # of the device's free memory at the layer's first freeze
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory a layer's working tensors may still take on `device`: CUDA's free memory plus the allocator's
+    reserved but unallocated blocks; the host's MemAvailable (or its free pages) for the CPU; 0 if unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return 0
+    return 0
+
+
+@dataclass
+class _Kept:
+    batch: torch.Tensor  # the layer input the output belongs to, held so that no other tensor takes its id
+    weight: tuple  # (tensor id, storage pointer, dtype) of the weight that computed it
+    out: torch.Tensor
+    version: int  # out._version when kept
+
+
+def _weight_key(w: torch.Tensor) -> tuple:
+    return id(w), w.data_ptr(), w.dtype
+
+
+class OutputReplay:
+    """Replays the outputs of a layer's finished linears across the layer's forwards (see the module docstring).
+
+    replay = OutputReplay(layer); replay.freeze(names) once their weights are final; every forward of the layer
+    afterwards reuses what those linears computed for the same batch; replay.close() when done.
+    """
+
+    def __init__(self, layer: nn.Module, budget: int | None = None):  # budget: bytes (tests)
+        self.layer = layer
+        self.budget = budget  # set at the first freeze unless given
+        self.used = 0
+        self.hits = self.misses = 0
+        self._batch: torch.Tensor | None = None
+        self._calls: dict[str, int] = {}
+        self._kept: dict[tuple[str, int, int], _Kept] = {}  # (linear, batch id, call) -> kept output
+        self._frozen: dict[str, tuple[nn.Module, object]] = {}  # name -> (module, its own forward attribute)
+        self._own: tuple | None = None  # (the layer's own forward attribute,) once the layer's forward is wrapped
+
+    def _within(self, forward):
+        """The layer's forward, knowing its batch while it runs: a linear called outside a forward of the whole
+        layer (a block run alone) has no batch and is computed as usual."""
+        def run(*args, **kwargs):
+            self._batch = args[0] if args else kwargs.get("hidden_states")
+            self._calls.clear()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._batch = None
+        return run
+
+    def freeze(self, names: list[str]) -> None:
+        """The linears `names` (submodules of the layer) will not change: replay their outputs from now on."""
+        if self.budget is None:
+            self.budget = int(available_bytes(next(self.layer.parameters()).device) * BUDGET_SHARE)
+        if self._own is None:
+            self._own = (self.layer.__dict__.get("forward"),)
+            self.layer.forward = self._within(self.layer.forward)
+        for name in names:
+            if name in self._frozen:
+                continue
+            fc = self.layer.get_submodule(name)
+            own = fc.__dict__.get("forward")  # an instance-level forward someone installed, restored on close
+            self._frozen[name] = (fc, own)
+            fc.forward = self._replaying(name, fc, fc.forward)
+
+    def _replaying(self, name: str, fc: nn.Module, compute):
+        def forward(x, *args, **kwargs):
+            batch = self._batch
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            if batch is None or args or kwargs:
+                return compute(x, *args, **kwargs)
+            key = (name, id(batch), call)
+            kept = self._kept.get(key)
+            if kept is not None and kept.weight == _weight_key(fc.weight) and kept.out._version == kept.version:
+                self.hits += 1
+                return kept.out
+            out = compute(x)
+            self.misses += 1
+            if kept is not None:  # stale: its place goes to the new output
+                self.used -= kept.out.nbytes
+                del self._kept[key]
+            if self.used + out.nbytes <= self.budget:
+                self._kept[key] = _Kept(batch, _weight_key(fc.weight), out, out._version)
+                self.used += out.nbytes
+            return out
+        return forward
+
+    def close(self) -> None:
+        """Put the linears' own forwards back and release every kept output."""
+        for fc, own in self._frozen.values():
+            if own is None:
+                del fc.forward
+            else:
+                fc.forward = own
+        self._frozen.clear()
+        self._kept.clear()
+        self.used = 0
+        self._batch = None
+        if self._own is not None:
+            own, self._own = self._own[0], None
+            if own is None:
+                del self.layer.forward
+            else:
+                self.layer.forward = own
