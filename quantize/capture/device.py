@@ -73,9 +73,10 @@ def configure_allocator(device: torch.device) -> str | None:
     return CUDA_ALLOCATOR
 
 
-def release_cache(device: torch.device) -> None:
-    """After a layer on CUDA: hand cached blocks back when too much sits reserved but unused."""
-    slack = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+def release_cache(device: torch.device, reused: int = 0) -> None:
+    """After a layer on CUDA: hand cached blocks back when too much sits reserved but unused. reused: bytes the
+    next layer will ask for again in the same sizes (the outputs a replay kept), not counted as slack."""
+    slack = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - reused
     if slack > CACHE_SLACK_SHARE * torch.cuda.get_device_properties(device).total_memory:
         torch.cuda.empty_cache()
 

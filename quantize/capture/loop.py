@@ -309,7 +309,7 @@ def _layers(p: "_SharedPass", layers, start_at: int, start: float, checkpointer,
             checkpointer.save(i, jobs, _to(p.inputs, "cpu"), {n: _to(c, "cpu") for n, c in p.chains.items()})
             p.seconds["checkpoint"] += time.perf_counter() - t1  # every job's codes so far: grows with the variants
         if device.type == "cuda":
-            release_cache(device)
+            release_cache(device, reused=p.replayed)
     progress.close()
 
 
@@ -325,6 +325,7 @@ class _SharedPass:
         self.layer_kwargs: list[list[dict]] = []  # per layer, per batch
         self.kwargs: list[dict] = []  # the current layer's
         self.chains: dict[int, list[torch.Tensor]] = {}
+        self.replayed = 0  # the most bytes one job's replay kept in the last layer (the next asks for the same)
         self.notes: list[str] = []
         self.seconds = {"to_device": 0.0, "fp_forward": 0.0, "jobs": 0.0, "checkpoint": 0.0}  # summed over layers
 
@@ -394,6 +395,7 @@ class _SharedPass:
             fp_outs, fp_feats = self._fp_forward(i, layer, self.names if fp_users else [])
         t2 = self._clock()
         self.seconds["fp_forward"] += t2 - t1
+        self.replayed = 0
         for n, job in enumerate(jobs):
             tj = time.perf_counter()
             if next(layer.parameters()).dtype != self.dtype:  # an earlier job's chain upcast the pass
@@ -420,6 +422,7 @@ class _SharedPass:
                     self._advance_chain(i, n, work)
                 finally:
                     replay.close()
+                self.replayed = max(self.replayed, replay.peak)
             job.keep(i, work)
             del work
             job.seconds += time.perf_counter() - tj
