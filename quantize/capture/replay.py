@@ -84,8 +84,15 @@ class OutputReplay:
         self._batch: torch.Tensor | None = None
         self._calls: dict[str, int] = {}
         self._kept: dict[tuple[str, int, int], _Kept] = {}  # (linear, batch id, call) -> kept output
-        self._frozen: dict[str, tuple[nn.Module, object]] = {}  # name -> (module, its own forward attribute)
-        self._own: tuple | None = None  # (the layer's own forward attribute,) once the layer's forward is wrapped
+        self._frozen: set[str] = set()
+        # modules whose forward is wrapped (the layer, then each frozen linear), with the instance-level forward
+        # each had before (None: the class's), put back on close
+        self._wrapped: list[tuple[nn.Module, object]] = []
+
+    def _wrap(self, module: nn.Module, wrapper) -> None:
+        """module.forward = wrapper(its current forward), undone by `close`."""
+        self._wrapped.append((module, module.__dict__.get("forward")))
+        module.forward = wrapper(module.forward)
 
     def _within(self, forward):
         """The layer's forward, knowing its batch while it runs: a linear called outside a forward of the whole
@@ -103,16 +110,13 @@ class OutputReplay:
         """The linears `names` (submodules of the layer) will not change: replay their outputs from now on."""
         if self.budget is None:
             self.budget = int(available_bytes(next(self.layer.parameters()).device) * BUDGET_SHARE)
-        if self._own is None:
-            self._own = (self.layer.__dict__.get("forward"),)
-            self.layer.forward = self._within(self.layer.forward)
+        if not self._wrapped:
+            self._wrap(self.layer, self._within)
         for name in names:
-            if name in self._frozen:
-                continue
-            fc = self.layer.get_submodule(name)
-            own = fc.__dict__.get("forward")  # an instance-level forward someone installed, restored on close
-            self._frozen[name] = (fc, own)
-            fc.forward = self._replaying(name, fc, fc.forward)
+            if name not in self._frozen:
+                self._frozen.add(name)
+                fc = self.layer.get_submodule(name)
+                self._wrap(fc, lambda compute, name=name, fc=fc: self._replaying(name, fc, compute))
 
     def _replaying(self, name: str, fc: nn.Module, compute):
         def forward(x, *args, **kwargs):
@@ -139,19 +143,14 @@ class OutputReplay:
         return forward
 
     def close(self) -> None:
-        """Put the linears' own forwards back and release every kept output."""
-        for fc, own in self._frozen.values():
+        """Put the layer's and the linears' own forwards back and release every kept output."""
+        for module, own in reversed(self._wrapped):
             if own is None:
-                del fc.forward
+                del module.forward
             else:
-                fc.forward = own
+                module.forward = own
+        self._wrapped.clear()
         self._frozen.clear()
         self._kept.clear()
         self.used = 0
         self._batch = None
-        if self._own is not None:
-            own, self._own = self._own[0], None
-            if own is None:
-                del self.layer.forward
-            else:
-                self.layer.forward = own
