@@ -27,6 +27,9 @@ On the GPU host (offline; wheels collected by bench/peers/collect_wheels.sh into
                           compare) the record's "compare" says: the pass against one run's quantize stage and
                           against the three runs' sum, each variant's share, its checkpoint seconds, and whether
                           every variant's weights are byte-identical to its run alone
+   ours-awq-shared-g32 / -g64 / -g128, ours-awq-shared-compare (alias compare-awq-shared)
+                          the same with awq.search_group_size 128 (bench-awq-shared-g128.yaml): one scale search
+                          for the three variants; its g128 is ours-awq-g128
    llmc-awq / llmc-gptq   bench/peers/llmc_bench.py (oneshot, same calibration token blocks)
    autoround-awq          bench/peers/autoround_quant.py: AutoRound 0.16.1's default recipe (200 iterations a
                           block, batch 8), w4 g128 asymmetric, same calibration token blocks, bfloat16 weights
@@ -60,16 +63,18 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_table import table  # noqa: E402
 COMPARE_GROUPS = (32, 64, 128)  # the group sizes of the comparison jobs
-_ALONE = {m: tuple(f"ours-{m}-g{g}" for g in COMPARE_GROUPS) for m in ("awq", "gptq")}
+_ALONE = {m: tuple(f"ours-{m}-g{g}" for g in COMPARE_GROUPS) for m in ("awq", "gptq", "awq-shared")}
 JOBS = ("ours-awq", "ours-gptq", "llmc-awq", "llmc-gptq", "ours-72b-awq", "ours-72b-gptq", "ours-gptq-onepass",
         "ours-gptq-tf32", "ours-gptq-warm", "ours-awq-warm", "ours-awq-classic", "ours-awq-gptq", *_ALONE["awq"],
-        *_ALONE["gptq"], "ours-awq-compare", "ours-gptq-compare", "autoround-awq")
+        *_ALONE["gptq"], "ours-awq-compare", "ours-gptq-compare", *_ALONE["awq-shared"], "ours-awq-shared-compare",
+        "autoround-awq")
 # ours first (ours-gptq and ours-awq compile their Triton kernels on a fresh machine, the -warm jobs run them from
 # Triton's cache);
 # a comparison after its runs alone, so neither side pays a compile the other does not
 ALIASES = {"ours-72b": ("ours-72b-awq", "ours-72b-gptq"),
            "all-7b": ("ours-gptq", "ours-gptq-warm", "ours-gptq-onepass", "ours-awq", "llmc-gptq", "llmc-awq"),
            "compare-awq": (*_ALONE["awq"], "ours-awq-compare"), "compare-gptq": (*_ALONE["gptq"], "ours-gptq-compare"),
+           "compare-awq-shared": (*_ALONE["awq-shared"], "ours-awq-shared-compare"),
            "compare": (*_ALONE["gptq"], "ours-gptq-compare", *_ALONE["awq"], "ours-awq-compare")}
 LOG_TAIL_BYTES = 256 * 1024
 
@@ -198,7 +203,7 @@ def job_command(job: str, model: str, args) -> list[str]:
     method = job.split("-", 1)[1].removeprefix("72b-").removesuffix("-warm")  # awq | gptq | gptq-onepass | ...
     groups = _groups(job)
     if groups:  # a group size alone, or the comparison of all three in one pass
-        method = job.split("-")[1]
+        method = job.removeprefix("ours-").removesuffix("-compare").rsplit("-g", 1)[0]
         return [args.ours_python, str(ROOT / "bench" / "bench_ours.py"),
                 *(str(write_recipe(method, model, args, g)) for g in groups),
                 "--out-root", str(args.work / "artifacts"), *args.ours_extra.split()]

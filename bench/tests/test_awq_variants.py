@@ -6,14 +6,11 @@ from __future__ import annotations
 import sys
 
 from bench import awq_variants
-from quantize.methods import awq_layer
 from quantize.methods import awq_search as awq
 from tests.conftest import tiny_recipe
 
 
 def test_two_variants_one_search_per_layer_and_group(tiny_qwen2, tmp_path, monkeypatch):
-    # share_scale_search replaces the module's search for the process: undone after the test
-    monkeypatch.setattr(awq_layer, "_search_group", awq_layer._search_group)
     searches = []
     real = awq.search_scales
     monkeypatch.setattr(awq, "search_scales", lambda *a, **k: searches.append(1) or real(*a, **k))

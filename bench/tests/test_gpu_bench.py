@@ -94,3 +94,17 @@ def test_comparison_jobs_and_summary(tmp_path):
               "runs": runs, "compare": {"awq": c}}
     text = table(report)
     assert "pass / one run 3.33x (goal <= 1.5x: NOT met)" in text and "g128 NO" in text
+
+
+def test_shared_search_comparison_jobs(tmp_path):
+    """compare-awq-shared: the same three group sizes and pass, on the recipe whose scale search runs at g128."""
+    args = gpu_bench.parse_args(["--only", "compare-awq-shared", "--work", str(tmp_path)])
+    assert args.jobs == ["ours-awq-shared-g32", "ours-awq-shared-g64", "ours-awq-shared-g128", "ours-awq-shared-compare"]
+    cmd = gpu_bench.job_command("ours-awq-shared-compare", "/m", args)
+    written = [yaml.safe_load(Path(p).read_text()) for p in cmd[2:5]]
+    assert [w["q_group_size"] for w in written] == [32, 64, 128]
+    assert all(w["base"].endswith("bench-awq-shared-g128.yaml") for w in written)
+    alone = yaml.safe_load(Path(gpu_bench.job_command("ours-awq-shared-g32", "/m", args)[2]).read_text())
+    assert alone["name"] == written[0]["name"]
+    assert gpu_bench._groups("ours-gptq-g64") == (64,) and gpu_bench._groups("ours-awq-shared-g64") == (64,)
+

@@ -37,6 +37,11 @@ class AwqOptions(Strict):
     # in every block search of every shipped AWQ recipe (their weights are the exhaustive search's; with 6, one
     # search of smollm2-awq-g32 picked another ratio: docs/BENCHMARKS.md), for ~0.7 of the block forwards
     screen_keep: int | None = Field(7, gt=0)
+    # the group size the scale search fake-quantizes its candidates with (null: q_group_size). Recipes that set
+    # the same value and differ only in q_group_size (or in settings the search does not read: the clip,
+    # rounding, format) run one scale search between them in a comparison (`make compare`); each variant's
+    # weights are still those of its run alone. What it costs a group size's quality: docs/BENCHMARKS.md
+    search_group_size: Literal[-1, 32, 64, 128] | None = None
     # clip candidates: "symmetric" = AutoAWQ's ±max|w| shrink; "per_side" adds shrinking max and min on their
     # own (zero-point grids; a symmetric grid depends on max|w| alone, so there both are the same search).
     # per_side + refit_iters 2: SmolLM2 g64 24.20 -> 23.92 ppl (16 windows) for ~2.3x the clip search's time,
@@ -50,6 +55,10 @@ class AwqOptions(Strict):
     # default: better on SmolLM2 (23.61 vs 23.92), worse on Gemma 3 270M (30.65 vs 29.97), and it adds a Hessian
     # and a GPTQ sweep per linear to every layer (timed by bench/gpu_bench.py --only ours-awq,ours-awq-gptq)
     rounding: Literal["rtn", "gptq"] = "rtn"
+
+    def search_group(self, q_group_size: int) -> int:
+        """The group size the scale search quantizes its candidates with, for a recipe of q_group_size."""
+        return q_group_size if self.search_group_size is None else self.search_group_size
 
 
 class Awq(Method):
@@ -65,6 +74,10 @@ class Awq(Method):
     def wants_features(self, recipe) -> bool:
         return True
 
+    def group_sizes(self, recipe) -> dict[str, int]:
+        g = recipe.awq.search_group_size
+        return {} if g is None or g == recipe.q_group_size else {"awq.search_group_size": g}
+
     def problem(self, recipe) -> str | None:
         if recipe.awq.rounding == "gptq":
             return block_problem(recipe)
@@ -75,7 +88,8 @@ class Awq(Method):
         q = {"group": recipe.q_group_size, "w_bit": recipe.w_bit, "symmetric": recipe.symmetric}
         out = []
         if fast.search_kernel != "torch":  # block groups' candidates, then single linears' ΔW
-            out += [{"module": "awq_fq_triton", **q, "delta": False}, {"module": "awq_fq_triton", **q, "delta": True}]
+            sq = {**q, "group": recipe.awq.search_group(recipe.q_group_size)}
+            out += [{"module": "awq_fq_triton", **sq, "delta": False}, {"module": "awq_fq_triton", **sq, "delta": True}]
         if o.apply_clip and fast.clip_kernel != "torch":
             out.append({"module": "awq_clip_triton", **q, "n_grid": o.clip_grid, "max_shrink": o.max_shrink,
                         "per_side": o.clip_search == "per_side"})

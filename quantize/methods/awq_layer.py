@@ -229,11 +229,15 @@ def _awq_errors(data: LayerData, arch: Arch, recipe, scaled: dict[str, torch.Ten
     """Each AWQ linear's relative output error on the tokens its scale search scored: scaled weights W·s against
     their codes, on the scaled inputs X / s. Where `awq.input_gram` takes the Gram form (float32 inputs with
     at least as many tokens as columns: the CPU) it comes from XᵀX, one per shared input (`output_error.from_hessian`,
-    the same quantity), else from the products with X (`output_error.from_inputs`)."""
+    the same quantity), else from the products with X (`output_error.from_inputs`).
+
+    The denominators (||X Wᵀ||² of the scaled W and X) are values of the scale search's result: in a comparison
+    (`data.shared`) the variants that took one search (`search_layer_scales`) compute each once."""
     sizes = [t.shape[0] * t.shape[1] for t in data.inputs]
     chosen = search_batches(sizes, recipe.awq.search_tokens, recipe.calibration.seed + data.index)
     input_of, rows, grams = feature_of(arch), {}, {}
     errors = {}
+    searched = ("awq.error_den", tuple(scaled), _search_settings(recipe))  # the linears searched, and how
     with torch.no_grad():
         for n, w in scaled.items():
             key = input_of[n]
@@ -241,16 +245,39 @@ def _awq_errors(data: LayerData, arch: Arch, recipe, scaled: dict[str, torch.Ten
                 rows[key] = rows_of(data.features[key], sizes, chosen)  # [tokens', in]
                 grams[key] = awq.input_gram(rows[key])  # [in, in] or None
             q = data.layer.get_submodule(n).weight.data
-            errors[n] = (output_error.from_inputs(w, q, rows[key]) if grams[key] is None
-                         else output_error.from_hessian(w, q, grams[key]))
+            den = None if data.shared is None else data.shared.get((*searched, n))
+            if den is None:
+                den = (output_error.norm_from_inputs(w, rows[key]) if grams[key] is None
+                       else output_error.norm_from_hessian(w, grams[key]))
+                if data.shared is not None:
+                    data.shared[(*searched, n)] = den
+            errors[n] = (output_error.from_inputs(w, q, rows[key], den) if grams[key] is None
+                         else output_error.from_hessian(w, q, grams[key], den))
     return read_back(errors)
+
+
+def search_spec(recipe) -> awq.QSpec:
+    """The quantizer the scale search scores its candidates with (`awq.search_group_size`)."""
+    return awq.QSpec(recipe.w_bit, recipe.awq.search_group(recipe.q_group_size), symmetric=recipe.symmetric)
+
+
+def _search_settings(recipe) -> tuple:
+    """Every recipe setting a scale search reads besides its inputs: two recipes equal here search alike."""
+    o, fast = recipe.awq, recipe.advanced.awq
+    return (search_spec(recipe), o.n_grid, o.duo_scaling, o.search_tokens, o.screen_keep, recipe.calibration.seed,
+            fast.coarse_step, fast.grid_batch, fast.search_kernel, fast.search_dtype)
 
 
 def search_layer_scales(data: LayerData, arch: Arch, recipe, local: set[str],
                         dist: Dist | None = None) -> tuple[list, dict]:
     """AWQ scale search for every foldable group of data.layer with a converted linear, all on the unmodified
-    layer -> ([(group, scales [in])], stats per group keyed by its `prev`). Nothing is changed."""
-    spec = qspec(recipe)
+    layer -> ([(group, scales [in])], stats per group keyed by its `prev`). Nothing is changed.
+
+    In a comparison (`data.shared`), a search is run once for every variant whose search settings are the same
+    (`_search_settings`: e.g. recipes differing only in q_group_size that set one awq.search_group_size): the
+    others take its result, which is what their own search would compute from the same unmodified layer and
+    inputs; their stats say `shared` and give the seconds of the search they took it from."""
+    spec = search_spec(recipe)
     device = data.inputs[0].device
     chosen_batches = search_batches([t.shape[0] * t.shape[1] for t in data.inputs], recipe.awq.search_tokens,
                                     recipe.calibration.seed + data.index)
@@ -260,9 +287,17 @@ def search_layer_scales(data: LayerData, arch: Arch, recipe, local: set[str],
         quantized = [n in local for n in g.linears]
         if not any(quantized):
             continue
-        t = _clock(device)
-        r, forward_dtype = _search_group(data, g, quantized, chosen_batches, recipe, spec, dist, data.shared)
-        stats[g.prev] = {**_search_stats(r, forward_dtype), "seconds": round(_clock(device) - t, 4)}
+        key = ("awq.scales", g.prev, tuple(quantized), tuple(chosen_batches), _search_settings(recipe))
+        if data.shared is not None and key in data.shared:
+            r, forward_dtype, seconds = data.shared[key]
+            stats[g.prev] = {**_search_stats(r, forward_dtype), "seconds": seconds, "shared": True}
+        else:
+            t = _clock(device)
+            r, forward_dtype = _search_group(data, g, quantized, chosen_batches, recipe, spec, dist, data.shared)
+            seconds = round(_clock(device) - t, 4)
+            stats[g.prev] = {**_search_stats(r, forward_dtype), "seconds": seconds}
+            if data.shared is not None:
+                data.shared[key] = (r, forward_dtype, seconds)
         chosen.append((g, r.scales))
     return chosen, stats
 
@@ -304,7 +339,7 @@ def awq_moe(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype:
                                 recipe.calibration.seed + data.index)
         g = ScaleGroup(prev=x_.norm, linears=tuple(fed), inspect=x_.block)
         r, forward_dtype = _search_group(dataclasses.replace(data, features={fed[0]: x}), g,
-                                         [n in local for n in fed], chosen, recipe, spec)
+                                         [n in local for n in fed], chosen, recipe, search_spec(recipe))
         stats[x_.norm] = _search_stats(r, forward_dtype)
         awq.apply_scales(layer.get_submodule(x_.norm), [layer.get_submodule(n) for n in consumers], r.scales,
                          arch.norm_offset)
@@ -326,7 +361,7 @@ def _awq_unit(data: LayerData, arch: Arch, path: str, x: torch.Tensor, local: se
     with torch.no_grad():
         z = expert_hidden(mlp, x)  # [n, I]
         if down in local:
-            r = awq.search_scales(z, [mlp.down_proj], [True], None, spec, opts.n_grid, opts.duo_scaling,
+            r = awq.search_scales(z, [mlp.down_proj], [True], None, search_spec(recipe), opts.n_grid, opts.duo_scaling,
                                   coarse_step=fast.coarse_step, grid_batch=fast.grid_batch,
                                   fq=awq_fake_quant(fast.search_kernel, z.device))
             awq.apply_scales(mlp.up_proj, [mlp.down_proj], r.scales)

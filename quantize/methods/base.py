@@ -40,6 +40,11 @@ class Method:
         the unquantized model (`capture.LayerData.fp_outputs`), e.g. as the target of a tuning loss."""
         return False
 
+    def group_sizes(self, recipe) -> dict[str, int]:
+        """Group sizes besides q_group_size that this recipe quantizes with somewhere (recipe key -> size): each
+        must divide the in_features of every converted linear, as q_group_size must (pre-flight checks both)."""
+        return {}
+
     def problem(self, recipe) -> str | None:
         """Why this recipe's settings do not work with this method, saying what to change; None when they do."""
         return None

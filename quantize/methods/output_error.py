@@ -14,28 +14,44 @@ from __future__ import annotations
 import torch
 
 
-def from_hessian(w: torch.Tensor, q: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
-    """w, q: [out, in], H: [in, in] (2 XᵀX / n) -> e (0-dim float32 tensor, on w's device).
+def from_hessian(w: torch.Tensor, q: torch.Tensor, H: torch.Tensor, den: torch.Tensor | None = None) -> torch.Tensor:
+    """w, q: [out, in], H: [in, in] (2 XᵀX / n) -> e (0-dim float32 tensor, on w's device). den: this w's
+    `norm_from_hessian` where already computed.
 
     On CUDA the two products [out, in] @ [in, in] run in bfloat16 on tensor cores, the sums in float32: on an H100
     those of all of a 7B layer's linears take 17.6 ms together (docs/BENCHMARKS.md, "Where a 7B GPTQ layer's time
     goes"); bfloat16's rounding is far below the differences it shows between linears. Elsewhere the products run in float32."""
-    dt = torch.bfloat16 if w.is_cuda else torch.float32
-    w32 = w.float()
-    d = w32 - q.float()  # [out, in]
-    Hd = H.to(dt)
-    num = ((d.to(dt) @ Hd).float() * d).sum()
-    den = ((w32.to(dt) @ Hd).float() * w32).sum()
-    return (num / den.clamp(min=torch.finfo(torch.float32).tiny)).clamp(min=0).sqrt()
+    dt = _product_dtype(w)
+    d = w.float() - q.float()  # [out, in]
+    num = ((d.to(dt) @ H.to(dt)).float() * d).sum()
+    return _ratio(num, norm_from_hessian(w, H) if den is None else den)
 
 
-def from_inputs(w: torch.Tensor, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def norm_from_hessian(w: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    """e's denominator tr(W H Wᵀ), as `from_hessian` computes it (0-dim float32): a value of w and H alone."""
+    dt, w32 = _product_dtype(w), w.float()
+    return ((w32.to(dt) @ H.to(dt)).float() * w32).sum()
+
+
+def from_inputs(w: torch.Tensor, q: torch.Tensor, x: torch.Tensor, den: torch.Tensor | None = None) -> torch.Tensor:
     """w, q: [out, in], x: [tokens, in] -> e (0-dim float32 tensor). The products run in x's dtype (half
-    precision on a GPU: tensor cores), the norms in float32."""
-    y = x @ w.to(x.dtype).t()  # [tokens, out]
+    precision on a GPU: tensor cores), the norms in float32. den: this w's `norm_from_inputs` where already
+    computed (a comparison's variants that share W and X compute it once)."""
     err = x @ (w.float() - q.float()).to(x.dtype).t()  # [tokens, out]
-    den = y.float().square().sum()
-    return (err.float().square().sum() / den.clamp(min=torch.finfo(torch.float32).tiny)).sqrt()
+    return _ratio(err.float().square().sum(), norm_from_inputs(w, x) if den is None else den)
+
+
+def norm_from_inputs(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """e's denominator ||X Wᵀ||², as `from_inputs` computes it (0-dim float32): a value of w and x alone."""
+    return (x @ w.to(x.dtype).t()).float().square().sum()  # [tokens, out] -> ()
+
+
+def _product_dtype(w: torch.Tensor) -> torch.dtype:
+    return torch.bfloat16 if w.is_cuda else torch.float32
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    return (num / den.clamp(min=torch.finfo(torch.float32).tiny)).clamp(min=0).sqrt()
 
 
 def worst(errors: dict, n: int = 10) -> list[dict]:

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
-from .. import formats
+from .. import formats, methods
 from . import deploy, targets
 from ..source.arch import ARCHITECTURES, Arch, all_linears, checkpoint_name, decoder_layers, layer_prefix
 from ..source.experts import split_experts
@@ -134,6 +134,7 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.trust_remote_code)
     split_experts(meta, arch)
     fmt, g = formats.get(recipe.out_format), recipe.q_group_size
+    others = {k: v for k, v in methods.get(recipe.method).group_sizes(recipe).items() if v != -1}
     out, problems, shapes = Plan(), [], []
     linears, fused_sets, row_parallel = _layer_linears(config, arch)
     moe_routed = {n for n in linears if arch.experts is not None and n.startswith(f"{arch.experts.module}.")}
@@ -173,6 +174,11 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
                 else:
                     problems.append(msg + "; or set on_indivisible: skip, or add it to modules_to_not_convert")
                 continue
+            for key, size in others.items():  # a converted linear: on_indivisible does not apply to the key
+                if in_f % size:
+                    ok = [x for x in (32, 64, 128) if in_f % x == 0]
+                    problems.append(f"{full}: in_features {in_f} is not divisible by {key} {size}; use "
+                                    f"{' or '.join(map(str, ok)) or 'null'}, or null (q_group_size)")
             kernel, note = fmt.cuda_kernel(in_f, out_f, g, recipe.symmetric)
             out.convert.append(full)
             cpu = CPU_MOE_KERNEL if recipe.w_bit == 4 and n in moe_routed else CPU_KERNEL.get(recipe.w_bit, "none")

@@ -63,6 +63,40 @@ def test_awq_variants_share_what_their_group_size_does_not_change(tiny_qwen2, tm
     assert len(calls) == 2  # down_proj's XᵀX in each of the 2 layers (o_proj is not square here: no search)
 
 
+def test_awq_variants_with_one_search_group_size_run_one_search(tiny_qwen2, tmp_path, monkeypatch):
+    """Two group sizes that set one awq.search_group_size: each layer's scale searches run once, for the first
+    variant; the second takes their results (its stats say so), and each variant's weights are still those of
+    its run alone, which differ from each other (the clip and the codes are each group size's own)."""
+    from quantize.methods import awq_search as awq, output_error
+
+    calls, norms = [], []
+    real = awq.search_scales
+    monkeypatch.setattr(awq, "search_scales", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    for f in ("norm_from_inputs", "norm_from_hessian"):  # the output error's denominator, a value of W·s and X/s
+        monkeypatch.setattr(output_error, f, lambda *a, f=getattr(output_error, f): norms.append(1) or f(*a))
+    paths = [tiny_recipe(tmp_path, tiny_qwen2, name=f"o-awq-g{g}", q_group_size=g,
+                         awq=dict(n_grid=10, clip_grid=10, search_group_size=64)) for g in (32, 64)]
+    shared = runner.run_many([load_recipe(p) for p in paths], tmp_path / "shared")
+    per_layer = len(calls) // 2
+    assert per_layer >= 3 and len(calls) == 2 * per_layer  # q/k/v, gate/up, down_proj in each of 2 layers
+    assert {(s.group, s.w_bit, s.symmetric) for s in calls} == {(64, 4, False)}
+    stats = [json.loads((d / "manifest.json").read_text())["awq_stats"] for d in shared]
+    for layer in ("0", "1"):
+        first, second = stats[0][layer], stats[1][layer]
+        groups = [k for k in first if k not in ("seconds", "output_error")]
+        assert groups and all("shared" not in first[g] and second[g]["shared"] for g in groups)
+        assert all(first[g]["best_ratio"] == second[g]["best_ratio"] for g in groups)
+    assert len(norms) == 7 * 2  # once per linear and layer, for both variants
+    calls.clear()
+    alone = [runner.run(p, out_root=tmp_path / "alone") for p in paths]
+    assert len(calls) == 2 * 2 * per_layer and len(norms) == 3 * 7 * 2  # alone, each searches for itself
+    manifests = [[json.loads((d / "manifest.json").read_text()) for d in run] for run in (shared, alone)]
+    sha = [[m["files"]["model.safetensors"]["sha256"] for m in run] for run in manifests]
+    assert sha[0] == sha[1] and sha[0][0] != sha[0][1]
+    errors = [[m["output_error"] for m in run] for run in manifests]
+    assert errors[0] == errors[1] and errors[0][0] != errors[0][1]
+
+
 def test_recipes_that_cannot_share_are_refused_together(tiny_qwen2, tiny_llama, tmp_path):
     a = load_recipe(tiny_recipe(tmp_path, tiny_qwen2, name="a"))
     b = load_recipe(tiny_recipe(tmp_path, tiny_llama, name="b"))

@@ -143,6 +143,17 @@ def test_indivisible_group_is_named(tmp_path):
         runner.run(tiny_recipe(tmp_path, d, q_group_size=128), out_root=tmp_path / "a")
 
 
+def test_indivisible_search_group_is_named(tmp_path):
+    """awq.search_group_size must divide what q_group_size must; on_indivisible does not skip for it."""
+    d = build_tiny_model(tmp_path / "m96", "llama", hidden=192, intermediate=384, heads=3, kv_heads=1)
+    recipe = tiny_recipe(tmp_path, d, q_group_size=32, on_indivisible="skip",
+                         awq=dict(n_grid=10, clip_grid=10, search_group_size=128))
+    with pytest.raises(runner.PreflightError, match=r"in_features 192 is not divisible by awq.search_group_size "
+                                                    r"128; use 32 or 64, or null"):
+        runner.run(recipe, out_root=tmp_path / "a")
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+
+
 def test_partial_fused_skip_refused(tmp_path, tiny_llama):
     with pytest.raises(runner.PreflightError, match="must skip all of them or none"):
         runner.run(tiny_recipe(tmp_path, tiny_llama, modules_to_not_convert=["lm_head", "layers.0.self_attn.q_proj"]),

@@ -225,6 +225,15 @@ def test_awq_search_options_defaults_round_trip():
     assert Recipe(**coarse.to_dict()).advanced.awq.coarse_step == 4
 
 
+def test_awq_search_group_size(tmp_path):
+    """null (the default) searches at q_group_size; a set size is a group size the format could hold."""
+    r = Recipe(name="x", **BASE)
+    assert r.awq.search_group_size is None and r.awq.search_group(r.q_group_size) == 128
+    r = Recipe(name="x", **{**BASE, "q_group_size": 32}, awq=dict(search_group_size=64))
+    assert r.awq.search_group(r.q_group_size) == 64 and Recipe(**r.to_dict()) == r
+    assert "awq.search_group_size" in _err(tmp_path, awq={"search_group_size": 48})
+
+
 def test_awq_coarse_step_must_be_below_n_grid(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("name: bad\nmodel: some/model\nmethod: awq\nawq: {n_grid: 8}\nadvanced: {awq: {coarse_step: 8}}\n")
