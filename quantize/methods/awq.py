@@ -40,7 +40,9 @@ class AwqOptions(Strict):
     # the group size the scale search fake-quantizes its candidates with (null: q_group_size). Recipes that set
     # the same value and differ only in q_group_size (or in settings the search does not read: the clip,
     # rounding, format) run one scale search between them in a comparison (`make compare`); each variant's
-    # weights are still those of its run alone. What it costs a group size's quality: docs/BENCHMARKS.md
+    # weights are still those of its run alone. Not a default: another group size's search helped SmolLM2 g32
+    # (searched at 64: -0.19 ppl) and hurt SmolLM2 g64 (at 32: +0.25) and Gemma 3 270M g64 (at 128: +1.83;
+    # at 32: +1.10) (docs/BENCHMARKS.md, "Three AWQ group sizes on one scale search")
     search_group_size: Literal[-1, 32, 64, 128] | None = None
     # clip candidates: "symmetric" = AutoAWQ's ±max|w| shrink; "per_side" adds shrinking max and min on their
     # own (zero-point grids; a symmetric grid depends on max|w| alone, so there both are the same search).
