@@ -43,7 +43,7 @@ class AwqOptions(Strict):
     # weights are still those of its run alone. Not a default: another group size's search helped SmolLM2 g32
     # (searched at 64: -0.19 ppl) and hurt SmolLM2 g64 (at 32: +0.25) and Gemma 3 270M g64 (at 128: +1.83;
     # at 32: +1.10) (docs/BENCHMARKS.md, "Three AWQ group sizes on one scale search")
-    search_group_size: Literal[-1, 32, 64, 128] | None = None
+    search_group_size: Literal[32, 64, 128] | None = None
     # clip candidates: "symmetric" = AutoAWQ's ±max|w| shrink; "per_side" adds shrinking max and min on their
     # own (zero-point grids; a symmetric grid depends on max|w| alone, so there both are the same search).
     # per_side + refit_iters 2: SmolLM2 g64 24.20 -> 23.92 ppl (16 windows) for ~2.3x the clip search's time,

@@ -232,6 +232,7 @@ def test_awq_search_group_size(tmp_path):
     r = Recipe(name="x", **{**BASE, "q_group_size": 32}, awq=dict(search_group_size=64))
     assert r.awq.search_group(r.q_group_size) == 64 and Recipe(**r.to_dict()) == r
     assert "awq.search_group_size" in _err(tmp_path, awq={"search_group_size": 48})
+    assert "awq.search_group_size" in _err(tmp_path, awq={"search_group_size": -1})  # the search scores groups
 
 
 def test_awq_coarse_step_must_be_below_n_grid(tmp_path):
