@@ -81,6 +81,9 @@ class Awq(Method):
         return {} if g is None or g == recipe.q_group_size else {"awq.search_group_size": g}
 
     def problem(self, recipe) -> str | None:
+        if recipe.q_group_size == -1:  # the scale, clip and refit searches all work on groups of a fixed size
+            return ("method awq takes q_group_size 32, 64 or 128, not -1 (per channel); for per-channel codes use "
+                    "method gptq or rtn")
         if recipe.awq.rounding == "gptq":
             return block_problem(recipe)
         return None

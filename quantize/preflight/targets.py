@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import formats
+from .. import formats, methods
 from .deploy import MARLIN, REFUSED, TP_SIZES, DeployError, Table, build, cell_of, query, rule_answer
 from .modules import recipe_modules
 
@@ -39,8 +39,10 @@ def fixes(recipe, modules: list[dict], cap: str, tp: int, dtype: str) -> str:
     tensor-parallel size (the first two found, least change first)."""
     fmt, g, sym, bits = recipe.out_format, recipe.q_group_size, recipe.symmetric, recipe.w_bit
     own = formats.get(fmt)
+    method = methods.get(recipe.method)
     found = [f"q_group_size: {x}" for x in sorted(own.group_sizes, reverse=True)
-             if x != g and _serves(fmt, x, sym, bits, modules, cap, tp, dtype)]
+             if x != g and method.problem(recipe.model_copy(update={"q_group_size": x})) is None
+             and _serves(fmt, x, sym, bits, modules, cap, tp, dtype)]
     if not (own.symmetric_only and sym) and _serves(fmt, g, not sym, bits, modules, cap, tp, dtype):
         found.append(f"zero_point: {str(sym).lower()}")
     for other in formats.NAMES:

@@ -55,6 +55,20 @@ def test_rules_accept_a_served_target_and_refuse_the_72b_trap(tmp_path):
     assert "tensor_parallel_size: 2" in msg
 
 
+def test_fixes_name_only_group_sizes_the_method_takes(tmp_path):
+    """The 72B trap at TP 4: GPTQ may go per channel; AWQ (in a format that holds per-channel codes) may not."""
+    cfg = _config("qwen2.5-72b")
+    target = {"targets": [{"compute_capability": 9.0, "tensor_parallel_size": 4}]}
+    msgs = []
+    for base, extra in (("qwen7b-gptq-g128", {}), ("qwen7b-awq-g128", {"format": "compressed-tensors"})):
+        r = load_recipe(_recipe(tmp_path, base + "-t", base=base, serve=target, **extra))
+        with pytest.raises(deploy.DeployError) as e:
+            targets.check_targets_by_rules(r, cfg, arch_for(cfg), is_skipped)
+        msgs.append(str(e.value))
+    assert "q_group_size: -1" in msgs[0]
+    assert "q_group_size: 32" in msgs[1] and "q_group_size: -1" not in msgs[1]
+
+
 def test_awq_without_zero_points_is_a_fallback(tmp_path):
     """vLLM's AWQ Marlin path needs zero points: a symmetric AWQ target is refused, the fix names zero_point."""
     r = load_recipe(_recipe(tmp_path, "a", base="qwen7b-awq-g128", zero_point=False,

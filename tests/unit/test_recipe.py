@@ -233,6 +233,8 @@ def test_awq_search_group_size(tmp_path):
     assert r.awq.search_group(r.q_group_size) == 64 and Recipe(**r.to_dict()) == r
     assert "awq.search_group_size" in _err(tmp_path, awq={"search_group_size": 48})
     assert "awq.search_group_size" in _err(tmp_path, awq={"search_group_size": -1})  # the search scores groups
+    msg = _err(tmp_path, q_group_size=-1, format="compressed-tensors")  # a format that takes per-channel codes
+    assert "method awq takes q_group_size 32, 64 or 128, not -1 (per channel)" in msg and "method gptq or rtn" in msg
 
 
 def test_awq_coarse_step_must_be_below_n_grid(tmp_path):
