@@ -82,22 +82,82 @@ def release_cache(device: torch.device, reused: int = 0) -> None:
 
 
 
-def device_copy(module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+def device_copy(module: nn.Module, device: torch.device, dtype: torch.dtype | None,
+                staging: "Staging | None" = None) -> nn.Module:
     """The module with its floating tensors on `device` in `dtype` (None: their own); the original is not
-    moved or changed.
+    moved or changed. staging: the host buffer its CPU tensors pass through (`Staging`); None: copied directly.
 
     Where device and dtype already match, the copy shares the original's storage (CPU in float32): the
     single-job pass then modifies the model's layer in place, as it always did.
     """
+    staged = staging.stage(module, device) if staging is not None else {}
+
     def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, dtype if dtype is not None and t.is_floating_point() else t.dtype)
+        want = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        if id(t) in staged:
+            return staged[id(t)].to(want)  # on the device already: the cast (if any) runs there
+        return t.detach().to(device, want)
 
     memo: dict[int, object] = {}
     for p in module.parameters():
-        memo[id(p)] = nn.Parameter(cast(p.detach()), requires_grad=False)
+        memo[id(p)] = nn.Parameter(cast(p), requires_grad=False)
     for b in module.buffers():
         memo[id(b)] = cast(b)
     return copy.deepcopy(module, memo)
+
+
+class Staging:
+    """One host buffer, page-locked on CUDA, that a layer's CPU tensors are copied into before their upload.
+
+    A copy from pageable memory goes through the driver's own staging, and the main stream's reads back to the host
+    (the weight check, the FP forward's finiteness check, the jobs' own) waited behind the next layer's 0.5 GB
+    upload (7B shape) that crossed that way on the side stream: 65-97 ms a layer. From a page-locked buffer the
+    upload is a DMA the main stream's reads do not queue behind (H100, 7B shape, runs alternating with pageable
+    uploads, weights identical: a comparison's upload part 2.2-2.6 -> 0.7-0.9 s, AWQ alone's FP forward 4.0-4.8 ->
+    2.6 s; docs/BENCHMARKS.md). The buffer is reused from layer to layer (it grows to the largest layer) and is
+    free again once the stream the uploads were queued on has finished them: the caller synchronises it.
+    """
+
+    ALIGN = 512  # bytes: every tensor's view starts where any dtype (and the DMA engine) is happy
+
+    def __init__(self, pin: bool = True):
+        self.pin = pin
+        self.buffer: torch.Tensor | None = None
+
+    def _layout(self, module: nn.Module) -> tuple[dict[int, torch.Tensor], dict[int, int], int]:
+        """module's contiguous CPU tensors by id, their byte offsets in the buffer, the bytes they need."""
+        tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]
+                   if t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0}
+        offsets, total = {}, 0
+        for key, t in tensors.items():
+            offsets[key] = total
+            total += -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN
+        return tensors, offsets, total
+
+    def reserve(self, module: nn.Module) -> None:
+        """Make the buffer large enough for module (page-locking half a gigabyte takes a few tenths of a second:
+        done ahead, beside other work, the first upload does not wait for it)."""
+        total = self._layout(module)[2]
+        if total and (self.buffer is None or self.buffer.numel() < total):
+            self.buffer = None  # the old one goes before the new one is allocated
+            self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self.pin)
+
+    def stage(self, module: nn.Module, device: torch.device) -> dict[int, torch.Tensor]:
+        """Copy module's contiguous CPU tensors into the buffer and queue their copies to `device` on the current
+        stream -> {id(host tensor): device tensor}. Others are left to the caller's direct copy."""
+        tensors, offsets, _ = self._layout(module)
+        if not tensors:
+            return {}
+        self.reserve(module)
+        out = {}
+        for key, t in tensors.items():
+            host = self.buffer[offsets[key]:offsets[key] + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            host.copy_(t.detach())
+            out[key] = host.to(device, non_blocking=self.pin, copy=True)  # never the buffer itself
+        return out
+
+    def close(self) -> None:
+        self.buffer = None
 
 
 class Uploader:
@@ -111,6 +171,9 @@ class Uploader:
         self.layers, self.device = layers, device
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="upload") if device.type == "cuda" else None
         self.stream = torch.cuda.Stream(device) if self.pool is not None else None
+        self.staging = Staging() if self.pool is not None else None  # used by the worker thread only
+        if self.pool is not None and len(layers):
+            self.pool.submit(self.staging.reserve, layers[0])  # while the pass embeds its calibration tokens
         self.pending: dict[int, tuple[torch.dtype, Future]] = {}
         self.released = 0  # bytes of memory-mapped checkpoint pages unmapped once their layer was copied
 
@@ -121,8 +184,8 @@ class Uploader:
 
     def _copy(self, i: int, dtype: torch.dtype) -> nn.Module:
         with torch.cuda.stream(self.stream):
-            m = device_copy(self.layers[i], self.device, dtype)
-        self.stream.synchronize()  # the copy is complete before the main stream sees it
+            m = device_copy(self.layers[i], self.device, dtype, self.staging)
+        self.stream.synchronize()  # complete before the main stream sees it, and before the buffer is reused
         return self._made(i, m)
 
     def _made(self, i: int, m: nn.Module) -> nn.Module:
@@ -146,6 +209,7 @@ class Uploader:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pending.clear()
+            self.staging.close()
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

@@ -354,7 +354,9 @@ class _SharedPass:
         self.chains = {n: _cast(c, torch.float32) for n, c in self.chains.items()}
 
     def _check_weights(self, i: int, layer: nn.Module) -> None:
-        bad = [n for n, t in layer.named_parameters() if not bool(torch.isfinite(t).all())]
+        params = list(layer.named_parameters())
+        finite = torch.stack([torch.isfinite(t).all() for _, t in params]).tolist() if params else []
+        bad = [n for (n, _), ok in zip(params, finite) if not ok]  # one read back to the host, not one per tensor
         if bad:
             raise NumericalError(f"decoder layer {i + 1}: {', '.join(bad)} contain NaN/inf in the source "
                                  f"checkpoint; it cannot be quantized (re-export or repair the model)")
