@@ -123,6 +123,7 @@ class Staging:
     def __init__(self, pin: bool = True):
         self.pin = pin
         self.buffer: torch.Tensor | None = None
+        self.off = False  # the host could not lend the memory: uploads go straight from the source tensors
 
     def _layout(self, module: nn.Module) -> tuple[dict[int, torch.Tensor], dict[int, int], int]:
         """module's contiguous CPU tensors by id, their byte offsets in the buffer, the bytes they need."""
@@ -138,9 +139,15 @@ class Staging:
         """Make the buffer large enough for module (page-locking half a gigabyte takes a few tenths of a second:
         done ahead, beside other work, the first upload does not wait for it)."""
         total = self._layout(module)[2]
-        if total and (self.buffer is None or self.buffer.numel() < total):
-            self.buffer = None  # the old one goes before the new one is allocated
+        if self.off or not total or (self.buffer is not None and self.buffer.numel() >= total):
+            return
+        self.buffer = None  # the old one goes before the new one is allocated
+        try:
             self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self.pin)
+        except RuntimeError as e:  # page-locked memory is scarcer than memory: the copies work without it, slower
+            self.off = True
+            log.warning("could not page-lock %.2f GB of host memory for layer uploads (%s); uploading from the "
+                        "checkpoint's pages directly", total / 1e9, str(e).splitlines()[0] if str(e) else type(e).__name__)
 
     def stage(self, module: nn.Module, device: torch.device) -> dict[int, torch.Tensor]:
         """Copy module's contiguous CPU tensors into the buffer and queue their copies to `device` on the current
@@ -149,6 +156,8 @@ class Staging:
         if not tensors:
             return {}
         self.reserve(module)
+        if self.off:
+            return {}
         out = {}
         for key, t in tensors.items():
             host = self.buffer[offsets[key]:offsets[key] + t.numel() * t.element_size()].view(t.dtype).view(t.shape)

@@ -88,3 +88,24 @@ def test_reserve_sizes_the_buffer_for_a_layer_ahead_of_its_upload():
     copy = device_copy(layer, torch.device("cpu"), None, stage)
     assert stage.buffer.data_ptr() == buf  # the upload used the reserved buffer, not a new one
     assert all(torch.equal(p, q) for p, q in zip(layer.parameters(), copy.parameters()))
+
+
+def test_a_host_that_cannot_lend_the_memory_gets_direct_copies(monkeypatch, caplog):
+    stage = Staging(pin=False)
+    real_empty = torch.empty
+
+    def refuse(*args, **kwargs):
+        if kwargs.get("pin_memory") is not None:
+            raise RuntimeError("CUDA error: out of memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    src = _layer(16, 6)
+    with caplog.at_level("WARNING"):
+        copy = device_copy(src, torch.device("cpu"), torch.float32, stage)
+        device_copy(src, torch.device("cpu"), torch.float32, stage)
+    assert stage.off and stage.buffer is None
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1  # said once, not per layer
+    assert "could not page-lock" in caplog.records[0].message
+    for (n, p), (_, q) in zip(src.named_parameters(), copy.named_parameters()):
+        assert torch.equal(q, p.float()), n
