@@ -113,8 +113,8 @@ class Staging:
     (the weight check, the FP forward's finiteness check, the jobs' own) waited behind the next layer's 0.5 GB
     upload (7B shape) that crossed that way on the side stream: 65-97 ms a layer. From a page-locked buffer the
     upload is a DMA the main stream's reads do not queue behind (H100, 7B shape, runs alternating with pageable
-    uploads, weights identical: a comparison's upload part 2.2-2.6 -> 0.7-0.9 s, AWQ alone's FP forward 4.0-4.8 ->
-    2.6 s; docs/BENCHMARKS.md). The buffer is reused from layer to layer (it grows to the largest layer) and is
+    uploads, weights identical: a comparison's upload part 2.2-2.6 -> 0.3-0.9 s, AWQ alone's FP forward 4.0-5.2 ->
+    2.6-2.9 s; docs/BENCHMARKS.md, "Layer uploads through a page-locked buffer"). The buffer is reused from layer to layer (it grows to the largest layer) and is
     free again once the stream the uploads were queued on has finished them: the caller synchronises it.
     """
 
@@ -138,7 +138,9 @@ class Staging:
     def reserve(self, module: nn.Module) -> None:
         """Make the buffer large enough for module (page-locking half a gigabyte takes a few tenths of a second:
         done ahead, beside other work, the first upload does not wait for it)."""
-        total = self._layout(module)[2]
+        self._grow(self._layout(module)[2])
+
+    def _grow(self, total: int) -> None:
         if self.off or not total or (self.buffer is not None and self.buffer.numel() >= total):
             return
         self.buffer = None  # the old one goes before the new one is allocated
@@ -152,10 +154,10 @@ class Staging:
     def stage(self, module: nn.Module, device: torch.device) -> dict[int, torch.Tensor]:
         """Copy module's contiguous CPU tensors into the buffer and queue their copies to `device` on the current
         stream -> {id(host tensor): device tensor}. Others are left to the caller's direct copy."""
-        tensors, offsets, _ = self._layout(module)
+        tensors, offsets, total = self._layout(module)
         if not tensors:
             return {}
-        self.reserve(module)
+        self._grow(total)
         if self.off:
             return {}
         out = {}

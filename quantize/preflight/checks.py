@@ -134,7 +134,7 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.trust_remote_code)
     split_experts(meta, arch)
     fmt, g = formats.get(recipe.out_format), recipe.q_group_size
-    others = {k: v for k, v in methods.get(recipe.method).group_sizes(recipe).items() if v != -1}  # -1: per channel
+    others = methods.get(recipe.method).group_sizes(recipe)
     out, problems, shapes = Plan(), [], []
     linears, fused_sets, row_parallel = _layer_linears(config, arch)
     moe_routed = {n for n in linears if arch.experts is not None and n.startswith(f"{arch.experts.module}.")}
