@@ -5,7 +5,9 @@ version) with the message that says what to change; how a converted linear is pa
 vLLM decodes it; its config.json `quantization_config`, 16-bit linears named as its reader needs; its tensor
 names; the names vLLM serves it under; the CUDA kernel pre-flight expects for each linear. Any method's
 results can be written in any format. The tensor layouts are in awq_gemm.py, gptq.py and
-compressed_tensors.py, all packed by packing.py. Facts checked on vLLM 0.32 (../shared/VLLM.md).
+compressed_tensors.py, all packed by packing.py. Layout facts checked on vLLM 0.32 (../shared/VLLM.md); the kernel
+rules hold for vLLM 0.26 (the CUDA build) and 0.32 alike, and what differs between the two is in
+preflight/rules.py.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ if TYPE_CHECKING:
 # The facts here import no torch (recipe validation and the command line's light commands read them); the
 # layout modules (awq_gemm, gptq, compressed_tensors) and the decoders' maths are imported where they run.
 
-# vLLM's Marlin kernels (marlin_utils, checked 0.32): these group sizes; a tile-misaligned shape is zero-padded
+# vLLM's Marlin kernels (marlin_utils, checked 0.26 and 0.32): these group sizes; a tile-misaligned shape is zero-padded
 # at weight preparation, so only a quantization group split between two GPUs stops Marlin
 MARLIN_GROUPS = (-1, 32, 64, 128)
 MACHETE_GROUPS, MACHETE_TILE = (-1, 64, 128), (64, 128)  # Hopper only: group sizes, (in, out) tile
@@ -228,8 +230,9 @@ class Gptq(Format):
         if (bad := super().problem(recipe)) is not None:
             return bad
         if self.symmetric_only and not recipe.symmetric:
-            return ("zero_point true (asymmetric) is not allowed with format gptq: vLLM 0.32 accepts only sym: true "
-                    "GPTQ checkpoints; set zero_point: false, or format: compressed-tensors for asymmetric weights")
+            return ("zero_point true (asymmetric) is not allowed with format gptq: vLLM (0.26 and 0.32 alike) accepts "
+                    "only sym: true GPTQ checkpoints; set zero_point: false, or format: compressed-tensors for "
+                    "asymmetric weights")
         return None
 
     def pack(self, codes, scales, zeros, bits, symmetric):
@@ -263,6 +266,7 @@ class Gptq(Format):
 
     def config_refusal(self, w_bit, group, symmetric):
         if not symmetric:
+            # AutoGPTQConfig.TYPE_MAP holds (4, True) and (8, True) only, in vLLM 0.26 and 0.32 alike
             return f"Unsupported quantization config: bits={w_bit}, sym=False (vLLM serves symmetric GPTQ only)"
         if group not in MARLIN_GROUPS:
             return f"GPTQ needs a Marlin group size {list(MARLIN_GROUPS)}, not {group}"
