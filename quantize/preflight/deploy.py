@@ -29,7 +29,7 @@ from ..errors import UserError
 from ..paths import cache_dir
 from ..recipe import SERVE_CAPABILITIES as CAPABILITIES  # Turing .. Blackwell
 from .modules import recipe_modules
-from .rules import installed_release, partition, rule_answer  # noqa: F401 - callers ask for the rules here
+from .rules import installed_release, rule_answer  # noqa: F401 - rule_answer: callers ask for it here
 
 TP_SIZES = (1, 2, 4, 8)
 DTYPES = ("float16", "bfloat16")

@@ -58,7 +58,8 @@ def release_for(installed: str | None) -> Release:
 @lru_cache(maxsize=1)
 def installed_release() -> Release:
     """The release describing the installed vLLM (read from package metadata: no import)."""
-    from .deploy import vllm_version
+    from .deploy import vllm_version  # here: deploy imports this module
+
 
     return release_for(vllm_version())
 
