@@ -28,7 +28,7 @@ from quantize.manifest import MANIFEST, ArtifactError, files_fingerprint, read, 
 from quantize.paths import child
 from quantize.records import Manifest, Report
 
-from .registry_store import (RegistryError, experiment_id, opened, tracking_uri,  # noqa: F401
+from .registry_store import (RegistryError, already_exists, experiment_id, opened, tracking_uri,  # noqa: F401
                              ui_command)  # ui_command: the CLI reads it here
 
 log = logging.getLogger(__name__)
@@ -213,7 +213,11 @@ def _register(mlflow, client, artifact: Path, m: Manifest, report: Report, stora
     if not client.search_registered_models(filter_string=f"name = '{name}'"):
         what = (f"{r.method} w{r.w_bit} g{r.q_group_size}" if name == m.artifact
                 else "4-bit variants (one version each; tags variant, method, group_size)")
-        client.create_registered_model(name, description=f"{what} of {m.model.spec}, made by quantize")
+        try:
+            client.create_registered_model(name, description=f"{what} of {m.model.spec}, made by quantize")
+        except Exception as e:
+            if not already_exists(e):
+                raise
     mv = client.create_model_version(name, source=source, run_id=run.info.run_id, tags=tags)
     log.info("registered %s version %s (%s) in %s", name, mv.version, source, tracking_uri())
     return {"name": name, "version": int(mv.version), "run_id": run.info.run_id, "source": source,

@@ -110,14 +110,25 @@ def _client():
 
 def experiment_id(client) -> str:
     """The `quantize` experiment's id, created on first use (artifacts beside a SQLite file, never in the
-    working directory; a tracking server decides for itself). Call it holding the writer's lock."""
+    working directory; a tracking server decides for itself)."""
     exp = client.get_experiment_by_name(EXPERIMENT)
     if exp is not None:
         return exp.experiment_id
     uri, location = tracking_uri(), None
     if uri.startswith("sqlite:///"):
         location = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").as_uri()
-    return client.create_experiment(EXPERIMENT, artifact_location=location)
+    try:
+        return client.create_experiment(EXPERIMENT, artifact_location=location)
+    except Exception as e:
+        if not already_exists(e):
+            raise
+        return client.get_experiment_by_name(EXPERIMENT).experiment_id
+
+
+def already_exists(e: Exception) -> bool:
+    """Another writer created it between our look and our create: a tracking server's writers on several
+    hosts share no lock, and the database's unique name is what decides."""
+    return getattr(e, "error_code", None) == "RESOURCE_ALREADY_EXISTS"
 
 
 def ui_command(host: str, port: int) -> list[str]:
