@@ -1,7 +1,8 @@
 """Hand artifacts to an MLflow model registry: only verified, evaluated, passing ones.
 
 Default: an embedded registry, a SQLite file in the project (`registry/mlflow.db`, artifacts under
-`registry/artifacts/`), nothing to start. Any sqlite:/// tracking URI keeps its artifacts beside its file. Any tracking server: set MLFLOW_TRACKING_URI (and, if the model
+`registry/artifacts/`), nothing to start; writers on one host take turns (registry_store). Any sqlite:///
+tracking URI keeps its artifacts beside its file. Any tracking server: set MLFLOW_TRACKING_URI (and, if the model
 registry lives elsewhere, MLFLOW_REGISTRY_URI). One registered model per artifact name; each registration is a
 new version whose run holds params = the resolved recipe, metrics = the report, tags = base model, method,
 group size, and the artifact directory itself - or, above a size limit or with `by_reference`, only its URI.
@@ -17,50 +18,22 @@ import logging
 import os
 import re
 import shutil
-import sqlite3
-import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from quantize.errors import UserError, did_you_mean
+from quantize.errors import did_you_mean
 from quantize.files import sha256_file
 from quantize.manifest import MANIFEST, ArtifactError, files_fingerprint, read, read_report, verify
 from quantize.paths import child
 from quantize.records import Manifest, Report
 
+from .registry_store import (RegistryError, already_exists, experiment_id, opened, tracking_uri,  # noqa: F401
+                             ui_command)  # ui_command: the CLI reads it here
+
 log = logging.getLogger(__name__)
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
-DEFAULT_DIR = PROJECT_DIR / "registry"
-EXPERIMENT = "quantize"
 COPY_LIMIT_BYTES = 2 * 2**30  # larger artifacts are registered by reference (their URI), not copied
-
-
-class RegistryError(UserError, ValueError):
-    """An artifact the registry must refuse, or a registry that cannot be used; the message says why."""
-
-
-def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{DEFAULT_DIR / 'mlflow.db'}"
-
-
-@contextmanager
-def _registry_errors() -> Iterator[None]:
-    """A registry database or server that cannot be used -> RegistryError saying which and what to do."""
-    from mlflow.exceptions import MlflowException
-    from sqlalchemy.exc import SQLAlchemyError
-
-    try:
-        yield
-    except (MlflowException, SQLAlchemyError, sqlite3.Error) as e:
-        uri = tracking_uri()
-        what = (f"move {uri.removeprefix('sqlite:///')} aside (a new one is created) or restore it from a backup"
-                if uri.startswith("sqlite:///") else "check the server, or set MLFLOW_TRACKING_URI to another one")
-        first = " ".join(str(e).split())[:200]
-        raise RegistryError(f"the model registry {uri} cannot be used ({type(e).__name__}: {first}); {what}") from None
 
 
 def _snapshot(artifact: Path, m: Manifest, into: Path) -> None:
@@ -74,44 +47,6 @@ def _snapshot(artifact: Path, m: Manifest, into: Path) -> None:
         verify(into)
     except ArtifactError as e:
         raise RegistryError(f"{artifact} changed while it was being registered: {e}") from None
-
-
-def _client():
-    import mlflow
-    from mlflow import MlflowClient
-
-    uri = tracking_uri()
-    if uri.startswith("sqlite:///"):
-        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    mlflow.set_tracking_uri(uri)
-    registry = os.environ.get("MLFLOW_REGISTRY_URI") or uri
-    mlflow.set_registry_uri(registry)
-    return mlflow, MlflowClient(tracking_uri=uri, registry_uri=registry)
-
-
-def ui_command(host: str, port: int) -> list[str]:
-    """The command that serves MLflow's own web UI (and REST API) on the registry: `mlflow server` on its SQLite
-    store, its artifacts where `register` copies them. RegistryError when the registry is a server already."""
-    uri = tracking_uri()
-    if not uri.startswith("sqlite:///"):
-        raise RegistryError(f"the registry {uri} is not a local SQLite file: open its own server in a browser "
-                            f"instead (unset MLFLOW_TRACKING_URI to browse registry/mlflow.db)")
-    db = Path(uri.removeprefix("sqlite:///"))
-    if not db.is_file():
-        raise RegistryError(f"no registry at {db} yet: register an artifact first (make register RECIPE=...)")
-    return [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
-            "--default-artifact-root", (db.parent / "artifacts").as_uri(), "--host", host, "--port", str(port),
-            "--workers", "1"]
-
-
-def _experiment_id(client, uri: str) -> str:
-    exp = client.get_experiment_by_name(EXPERIMENT)
-    if exp is not None:
-        return exp.experiment_id
-    location = None  # a tracking server decides where artifacts go
-    if uri.startswith("sqlite:///"):  # a local database file: artifacts beside it, never in the working directory
-        location = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").as_uri()
-    return client.create_experiment(EXPERIMENT, artifact_location=location)
 
 
 def check_artifact(artifact: Path) -> tuple[Manifest, Report]:
@@ -189,11 +124,15 @@ def register(artifact: Path, by_reference: bool | None = None, storage_uri: str 
     limit = int(os.environ.get("QUANTIZE_REGISTRY_COPY_LIMIT", COPY_LIMIT_BYTES))
     if by_reference is None:
         by_reference = size > limit or storage_uri is not None
-    with _registry_errors(), tempfile.TemporaryDirectory(prefix=".register-") as snap:
-        res = _register(artifact, m, report, by_reference, storage_uri, Path(snap), model_name or m.artifact)
-        if alias:
-            _client()[1].set_registered_model_alias(res["name"], alias, str(res["version"]))
-            res["alias"] = alias
+    with tempfile.TemporaryDirectory(prefix=".register-") as snap:
+        if not by_reference:  # copied and verified before the registry is locked: other writers wait less
+            _snapshot(artifact, m, Path(snap))
+        with opened(write=True) as (mlflow, client):
+            res = _register(mlflow, client, artifact, m, report, storage_uri, Path(snap) if not by_reference
+                            else None, model_name or m.artifact)
+            if alias:
+                client.set_registered_model_alias(res["name"], alias, str(res["version"]))
+                res["alias"] = alias
         return res
 
 
@@ -247,17 +186,18 @@ def comparison_artifacts(out_root: Path, name: str) -> list[Path]:
                             f"run make compare again") from None
 
 
-def _register(artifact: Path, m: Manifest, report: Report, by_reference: bool, storage_uri: str | None,
-              snap: Path, name: str) -> dict:
-    r = m.recipe
-    mlflow, client = _client()
+def _register(mlflow, client, artifact: Path, m: Manifest, report: Report, storage_uri: str | None,
+              snap: Path | None, name: str) -> dict:
+    """One new version of `name` whose run holds the recipe, the report and `snap` (the verified copy; None
+    registers the artifact by reference). Call it holding the writer's lock (registry_store.opened)."""
+    r, by_reference = m.recipe, snap is None
     tags = {"base_model": m.model.spec, "method": r.method, "w_bit": str(r.w_bit),
             "group_size": str(r.q_group_size), "format": m.format.name, "variant": m.artifact,
             "manifest_sha256": sha256_file(artifact / MANIFEST), "git_commit": str((m.git or {}).get("commit")),
             "artifact_path": str(artifact), "by_reference": str(by_reference).lower(),
             **{f"vllm_kernel_cc{cap}_tp{tp}": text  # pre-flight's deployability table, one tag per cell
                for cap, row in (m.deploy.kernels if m.deploy else {}).items() for tp, text in row.items()}}
-    with mlflow.start_run(experiment_id=_experiment_id(client, tracking_uri()), run_name=m.artifact) as run:
+    with mlflow.start_run(experiment_id=experiment_id(client), run_name=m.artifact) as run:
         params = _flat(r.to_json())
         items = list(params.items())
         for i in range(0, len(items), 90):  # MLflow caps a batch at 100 params
@@ -268,13 +208,16 @@ def _register(artifact: Path, m: Manifest, report: Report, by_reference: bool, s
         if by_reference:
             source = storage_uri or artifact.as_uri()
         else:
-            _snapshot(artifact, m, snap)
             mlflow.log_artifacts(str(snap), "model")
             source = f"{run.info.artifact_uri}/model"
     if not client.search_registered_models(filter_string=f"name = '{name}'"):
         what = (f"{r.method} w{r.w_bit} g{r.q_group_size}" if name == m.artifact
                 else "4-bit variants (one version each; tags variant, method, group_size)")
-        client.create_registered_model(name, description=f"{what} of {m.model.spec}, made by quantize")
+        try:
+            client.create_registered_model(name, description=f"{what} of {m.model.spec}, made by quantize")
+        except Exception as e:
+            if not already_exists(e):
+                raise
     mv = client.create_model_version(name, source=source, run_id=run.info.run_id, tags=tags)
     log.info("registered %s version %s (%s) in %s", name, mv.version, source, tracking_uri())
     return {"name": name, "version": int(mv.version), "run_id": run.info.run_id, "source": source,
@@ -290,9 +233,8 @@ def resolve(uri: str, into: Path) -> Path:
     if tracking_uri().startswith("sqlite:///") and not Path(db).is_file():  # reading must not create a registry
         raise RegistryError(f"no model registry at {db}: register a version first (make register ...), or set "
                             f"MLFLOW_TRACKING_URI to the registry that holds {name!r}")
-    with _registry_errors():
-        mlflow, client = _client()
-        mv = _model_version(client, name, alias, version)
+    with opened() as (mlflow, client):
+        mv = _model_version(client, name, alias, version)  # the alias is read once: the version is pinned
         local = Path(_download(mlflow, mv, into))
     if not (local / MANIFEST).is_file():
         raise RegistryError(f"{uri} (version {mv.version}, source {mv.source}) holds no {MANIFEST}; it was not "
@@ -346,8 +288,7 @@ def _download(mlflow, mv, into: Path) -> str:
 def versions(name: str | None = None) -> list[dict]:
     """Every registered version (of `name`, or all) with its tags and metrics, newest first."""
     rows, aliases = [], {}
-    with _registry_errors():
-        _, client = _client()
+    with opened() as (_, client):
         for mv in client.search_model_versions(f"name = '{name}'" if name else ""):
             run = client.get_run(mv.run_id)
             if mv.name not in aliases:  # search results carry no aliases: the registered model holds them
