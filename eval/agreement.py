@@ -9,9 +9,10 @@ import torch
 def hf_logprobs(model, token_ids: list[list[int]]) -> list[torch.Tensor]:
     """Per prompt: log-softmax of next-token logits [seq, vocab] (row p predicts token p + 1)."""
     out = []
+    device = next(model.parameters()).device
     for ids in token_ids:
-        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()  # [seq, vocab]
-        out.append(torch.log_softmax(logits, dim=-1))
+        logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0].float()  # [seq, vocab]
+        out.append(torch.log_softmax(logits, dim=-1).cpu())
     return out
 
 

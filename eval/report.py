@@ -336,7 +336,8 @@ def _evaluate(artifact: Path, base_spec: str, eopts, manifest: Manifest | None, 
         if smoke_res is None:
             t0 = time.perf_counter()
             smoke_res = smoke(artifact, load_reference, ctx["tokenizer"], ctx["served"], eopts.vllm.max_tokens,
-                              eopts.vllm.min_token_agreement, eopts.vllm.timeout_s)
+                              eopts.vllm.min_token_agreement, eopts.vllm.timeout_s,
+                              manifest.deploy.kernels if manifest is not None and manifest.deploy else None)
             timings["vllm_smoke"] = round(time.perf_counter() - t0, 2)
     key = refcache.make_key(ctx["shared"]["model_sha256"], record, ctx["dtype"], ctx["device"])
     fp, cache_info, storing = _reference_ppl(ctx, key, load_reference, wins, timings, background)

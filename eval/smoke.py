@@ -6,7 +6,8 @@ Checks (each recorded in the report, any failure fails the smoke test):
     with non-empty content, on the chat endpoint when the tokenizer has a chat template and on the completions
     endpoint when it has none (a base model: vLLM's chat endpoint refuses it with HTTP 400); a wrong model name
     gets vLLM's 404 and our message names the right one;
-(a) vLLM loaded it with the quantization method the artifact declares (and logs which kernel it chose);
+(a) vLLM loaded it with the quantization method the artifact declares (and logs which kernel it chose); on a
+    CUDA GPU the kernels it logged are those pre-flight's deployability table predicted for that GPU;
 (b) greedy output is not degenerate (no empty output, no single token repeated over most of it, finite logprobs);
 (c) teacher-forced agreement: feeding the prompt plus vLLM's greedy tokens to the FP16 model, its own top-1
     choice equals vLLM's token at least `min_token_agreement` of the time (no divergence cascade).
@@ -29,10 +30,11 @@ import httpx
 
 from quantize import formats
 from quantize.export import serve_config
+from quantize.preflight import deploy
 from quantize.preflight.deploy import vllm_version
 
 from .serve import INT4_MISSING, Server, ServeError, ask, int4_kernel_missing, post, served_models
-from .vllm_run import VllmError, kernels_from_log, root_cause
+from .vllm_run import VllmError, cuda_build, kernels_from_log, root_cause
 
 PROMPTS = (
     "The capital of France is",
@@ -84,7 +86,7 @@ def vllm_unavailable() -> str | None:
 
 
 def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str = "float16", max_tokens: int = 32,
-          min_agreement: float = 0.6, timeout: float = 600) -> dict:
+          min_agreement: float = 0.6, timeout: float = 600, predicted: dict | None = None) -> dict:
     """-> {passed, checks, errors, served_name, endpoint, load_s, tokens_per_s, method, kernels, samples, answer};
     never raises on a vLLM failure.
 
@@ -96,6 +98,8 @@ def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str
     dtype: what vLLM computes in, the artifact's 16-bit dtype (a bfloat16-only model refuses float16); it equals
     the serve config's for our artifacts. A directory without a serve config (another tool's) is served under
     its directory's name.
+    predicted: pre-flight's deployability table as the manifest keeps it ({capability: {tp: kernels}}), checked
+    against the kernels vLLM logged where it runs on a CUDA GPU.
     """
     artifact = Path(artifact)
     qcfg = json.loads((artifact / "config.json").read_text()).get("quantization_config", {})
@@ -122,6 +126,7 @@ def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str
     fmt = formats.by_quant_method(expected)
     ok_method = out["method"] in (fmt.reported_as if fmt else {expected})
     out["checks"]["method"] = ok_method
+    _check_kernels(out, predicted, (serve_config.read(artifact) or {}).get("tensor-parallel-size", 1))
     if not ok_method:
         out["errors"].append(f"vLLM loaded quantization {out['method']!r}, the artifact declares {expected!r}")
     if res is None:  # a request failed: its reason is in errors, with the server's own lines
@@ -144,6 +149,31 @@ def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str
     out["samples"] = [{"prompt": p, "completion": tokenizer.decode(g)} for p, g in zip(PROMPTS, res["generations"])]
     out["passed"] = all(out["checks"].values())
     return out
+
+
+def _check_kernels(out: dict, predicted: dict | None, tp: int) -> None:
+    """On a CUDA GPU: the kernels vLLM logged against the table's cell for this GPU and tensor-parallel size, into
+    out["kernel_check"] and out["checks"]["kernels_as_predicted"] (a disagreement fails the smoke test)."""
+    cell = None
+    if cuda_build() and predicted:
+        capability = "{}.{}".format(*torch.cuda.get_device_capability())
+        cell = predicted.get(capability, {}).get(str(tp))
+    if cell is None:
+        return
+    check = kernel_check(out.get("kernels") or [], cell)
+    out["kernel_check"] = {"capability": capability, "tp": tp, "predicted": cell, **check}
+    out["checks"]["kernels_as_predicted"] = check["agree"]
+    if not check["agree"]:
+        out["errors"].append(f"vLLM ran {', '.join(check['ran']) or 'no logged kernel'} on this GPU (compute "
+                             f"capability {capability}, TP {tp}); pre-flight's deployability table predicted {cell!r}")
+
+
+def kernel_check(logged: list[str], cell: str) -> dict:
+    """vLLM's 'Using <Kernel> for <method>' lines against one cell of the deployability table ('Machete',
+    'Machete/Marlin', 'fallback: AWQ GEMM', 'refused') -> {ran: short kernel names, agree}."""
+    ran = sorted({deploy.short(line.split(" for ")[0]) for line in logged})
+    expected = set(cell.removeprefix("fallback: ").split("/")) if cell != "refused" else set()
+    return {"ran": ran, "agree": bool(ran) and set(ran) == expected}
 
 
 def _ask(srv: Server, prompts: list[list[int]], max_tokens: int, out: dict) -> dict | None:

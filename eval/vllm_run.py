@@ -11,6 +11,7 @@ prompts.json: {"token_ids": [[...], ...], "top_k": 5, "max_tokens": 8}
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -50,7 +51,8 @@ if __name__ in ("__main__", "__mp_main__"):  # a vLLM process: see allow_amx
 
 
 def vllm_env(work: Path) -> dict[str, str]:
-    """Environment for the vLLM CPU build: KV cache size, exact W4A16 numerics, caches under `work`."""
+    """Environment for a vLLM child: the CPU build's KV cache size and exact W4A16 numerics, caches under `work`,
+    and on CUDA without flashinfer vLLM's own sampler."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_INT4_W4A8", "0")
@@ -59,6 +61,9 @@ def vllm_env(work: Path) -> dict[str, str]:
     env["TMPDIR"] = str(work)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # the kernel choice is logged at INFO
+    if cuda_build() and importlib.util.find_spec("flashinfer") is None:
+        # vLLM's CUDA sampler imports flashinfer unless told not to; the CUDA stack leaves that optional package out
+        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     return env
 
 
