@@ -14,6 +14,7 @@ from quantize.records import Report
 from quantize.source import load as source
 
 from eval import refcache, report as eval_report
+from eval.artifact import quantization_format
 from eval.perplexity import Protocol, load_eval_text, windows
 
 
