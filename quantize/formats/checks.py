@@ -26,7 +26,7 @@ def expect(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], 
     """TensorError unless tensors[name] has `shape`; why: where that shape comes from, for the message."""
     got = tuple(tensors[name].shape)
     if got != tuple(shape):
-        raise TensorError(name, f"has shape {list(got)}, but {why} need {list(shape)}")
+        raise TensorError(name, f"has shape {list(got)}, expected {list(shape)} from {why}")
 
 
 def integer(tensors: dict[str, torch.Tensor], name: str) -> None:
@@ -38,7 +38,7 @@ def integer(tensors: dict[str, torch.Tensor], name: str) -> None:
 def groups_divide(name: str, in_f: int, n_group: int) -> None:
     """TensorError unless n_group contiguous groups split in_f input features evenly."""
     if n_group == 0 or in_f % n_group:
-        raise TensorError(name, f"holds {n_group} groups, which do not split the {in_f} input features evenly")
+        raise TensorError(name, f"does not fit: {in_f} input features do not split evenly into {n_group} groups")
 
 
 def check_g_idx(tensors: dict[str, torch.Tensor], name: str, in_f: int, n_group: int,

@@ -56,7 +56,7 @@ def test_gptq_permuted_g_idx_refused_without_desc_act_and_decoded_with_it():
 
 
 @pytest.mark.parametrize("tensor, change, problem", [
-    ("qweight", lambda t: t[:-1], "qweight [31, 64] at 4 bits (248 input features) need [248]"), ("scales", lambda t: t[:, :-1], "need [4, 64]"),
+    ("qweight", lambda t: t[:-1], "expected [248] from qweight [31, 64] at 4 bits (248 input features)"), ("scales", lambda t: t[:, :-1], "expected [4, 64] from qweight"),
     ("qzeros", lambda t: t.float(), "not packed int32"), ("qzeros", None, "is missing"),
 ])
 def test_gptq_tensors_that_do_not_fit_the_layout_are_named(tensor, change, problem):
