@@ -1,7 +1,7 @@
 """Read a 4-bit artifact directory back into a transformers model, decoding its packed tensors with our code.
 
-Works on any AutoAWQ-GEMM, GPTQ (v1, contiguous g_idx) or compressed-tensors pack-quantized directory
-(ours or another tool's): the dequantized weights are what vLLM
+Works on any AutoAWQ-GEMM, GPTQ (v1 or v2, act-order g_idx included) or compressed-tensors pack-quantized
+directory (ours or another tool's): the dequantized weights are what vLLM
 computes with, so scoring this model scores the artifact itself, not pre-pack fake-quant weights.
 """
 
@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from quantize import formats
+from quantize.formats.checks import TensorError
 from quantize.source.arch import ARCHITECTURES, arch_for, attn_implementation, checkpoint_name
 from quantize.source.experts import split_experts
 from quantize.manifest import ArtifactError
@@ -39,28 +40,32 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _format(qcfg: dict, path: Path) -> tuple[formats.Format, int]:
-    """A config.json quantization_config -> (its format, bits); ArtifactError if we cannot decode it."""
+def quantization_format(path: Path) -> tuple[formats.Format, dict, int]:
+    """An artifact's config.json -> (its format, quantization_config, bits); ArtifactError, saying what to do, for
+    a directory the eval cannot decode. Cheap: the eval asks it first, before it scores anything."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    qcfg = config.get("quantization_config")
+    if not qcfg or not isinstance(qcfg, dict):
+        raise ArtifactError(f"{path}/config.json has no quantization_config: the eval scores 4-bit directories "
+                            f"(AWQ GEMM, GPTQ, compressed-tensors); give the quantized model's directory")
     method = qcfg.get("quant_method")
     fmt = formats.by_quant_method(method)
+    known = ", ".join(f.quant_method for f in formats.REGISTRY.values())
     if fmt is None:
-        known = ", ".join(f.quant_method for f in formats.REGISTRY.values())
-        raise ArtifactError(f"{path}: quant_method {method!r} is not readable here ({known})")
+        raise ArtifactError(f"{path}: quant_method {method!r} is not readable here (only {known}); evaluate it "
+                            f"with the tool that wrote it, or export it in one of these formats")
     try:
-        return fmt, fmt.read_config(qcfg)
+        return fmt, qcfg, fmt.read_config(qcfg)
     except ValueError as e:
-        raise ArtifactError(f"{path}: {e}") from None
+        raise ArtifactError(f"{path}: config.json's quantization_config: {e}; export it in a layout the eval reads "
+                            f"({known})") from None
 
 
 def decoded_tensors(path: Path, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Artifact dir -> (name, tensor) one at a time: each packed linear decoded on `device` to its `.weight`
     (float32), every other tensor as stored. Only one module's tensors are held at a time, so a 7B artifact
     never needs a whole decoded copy in host memory."""
-    config = json.loads((Path(path) / "config.json").read_text())
-    qcfg = config.get("quantization_config")
-    if not qcfg:
-        raise ArtifactError(f"{path}/config.json has no quantization_config")
-    fmt, bits = _format(qcfg, Path(path))
+    fmt, qcfg, bits = quantization_format(path)
     with ExitStack() as stack:
         where = {}  # tensor name -> the open shard that holds it
         for f in safetensors_files(path):
@@ -72,10 +77,21 @@ def decoded_tensors(path: Path, device: torch.device | str = "cpu") -> Iterator[
             names = [f"{m}.{s}" for s in fmt.tensors if f"{m}.{s}" in where]
             own = {n.removeprefix(f"{m}."): where[n].get_tensor(n).to(device) for n in names}
             used.update(names)
-            yield f"{m}.weight", fmt.decode(own, qcfg, bits)
+            yield f"{m}.weight", _decode(fmt, own, qcfg, bits, m, Path(path))
         for name, st in where.items():
             if name not in used:
                 yield name, st.get_tensor(name)
+
+
+def _decode(fmt: formats.Format, own: dict[str, torch.Tensor], qcfg: dict, bits: int, module: str,
+            path: Path) -> torch.Tensor:
+    """One linear's tensors -> its weight; ArtifactError naming the tensor its layout cannot hold."""
+    try:
+        return fmt.decode(own, qcfg, bits)
+    except TensorError as e:
+        raise ArtifactError(f"{path}: cannot decode {module}.{e.tensor}: it {e}. The file does not hold the "
+                            f"{fmt.title} layout config.json declares: export the directory again with the tool "
+                            f"that wrote it, or correct config.json's quantization_config") from None
 
 
 def dequantized_state_dict(path: Path, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], dict]:
@@ -128,8 +144,9 @@ def load_dequantized(path: Path, dtype: torch.dtype = torch.float32, device: tor
     tied = config.get_text_config().tie_word_embeddings
     missing = [m for m in params if m not in filled and not (m == "lm_head.weight" and tied)]
     if missing or unexpected or wrong:
-        raise ArtifactError(f"{path}: tensors do not match the architecture: missing {missing[:5]}, "
-                            f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}")
+        raise ArtifactError(f"{path}: tensors do not match the architecture its config.json describes: missing "
+                            f"{missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong[:5]}; check that "
+                            f"config.json belongs to these weights (export the directory again if not)")
     if tied:
         model.tie_weights()
     return model.eval()

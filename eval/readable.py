@@ -28,9 +28,12 @@ def _cpu_model() -> str | None:
     return cpu if cpu and cpu != platform.machine() else None
 
 
-def seconds_text(timings: dict) -> str:
+def seconds_text(timings: dict | None, missing: str = "not recorded (no manifest of ours in the directory)") -> str:
     """{"load": 1.234, "hash": 0.032} -> "load 1.2 s, hash 0.032 s" (the order kept), for people rather than for
-    parsers (report.json keeps the numbers)."""
+    parsers (report.json keeps the numbers); None (a directory another tool wrote has no manifest to take the
+    quantize stage's timings from) -> `missing`."""
+    if timings is None:
+        return missing
     def text(v) -> str:
         return (f"{v:.1f}" if abs(v) >= 1 else f"{v:.2g}") + " s" if isinstance(v, (int, float)) else str(v)
     return ", ".join(f"{k} {text(v)}" for k, v in timings.items())

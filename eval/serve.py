@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (a.artifact / "config.json").is_file():
         raise ServeError(f"{a.artifact} is not a model directory (no config.json); run `make quantize RECIPE=<name>` "
                          f"first, or give the artifact's directory")
+    _refuse_without_int4_kernel(a.artifact)
     server = Server(a.artifact, port=a.port, host=a.host, log=None, timeout=900)
     # Ctrl-C, and a supervisor's SIGTERM, stop the server and its workers (a shell that starts this in the
     # background hands it SIGINT ignored, which would leave Ctrl-C to nobody)
@@ -262,6 +263,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nstopped", flush=True)
     return 0
+
+
+def _refuse_without_int4_kernel(model_dir: Path) -> None:
+    """A 4-bit model where vLLM has no 4-bit kernel is refused before the server starts: it would load, print
+    its URL and then die on the first request. A 16-bit model serves on any CPU, so only 4-bit is asked about."""
+    from quantize import formats
+
+    qcfg = json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
+    fmt = formats.by_quant_method(qcfg.get("quant_method")) if isinstance(qcfg, dict) else None
+    try:
+        bits = fmt.read_config(qcfg) if fmt is not None else None
+    except ValueError:
+        bits = None  # a layout we cannot read: vLLM says what it makes of it
+    if bits == 4 and (why := int4_kernel_missing()):
+        raise ServeError(f"{model_dir} holds 4-bit weights and cannot be served here: {why}")
 
 
 if __name__ == "__main__":

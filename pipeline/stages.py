@@ -14,12 +14,15 @@ from quantize.records import Report
 from quantize.source import load as source
 
 from eval import refcache, report as eval_report
+from eval.artifact import quantization_format
 from eval.perplexity import Protocol, load_eval_text, windows
 
 
 def evaluate(artifact: Path, base: str | None, eopts, cache: dict | None = None,
              hashes: BaseHashes | None = None) -> Report:
-    """The eval stage on `artifact` (see `eval.report.evaluate`), its report written into the artifact -> report."""
+    """The eval stage on `artifact` (see `eval.report.evaluate`), its report written into the artifact -> report. A
+    directory whose layout the eval cannot decode is refused first, before minutes of scoring the reference."""
+    quantization_format(artifact)
     report = eval_report.evaluate(artifact, base, eopts, cache=cache, base_hashes=hashes.started if hashes else ())
     write_report(Path(artifact), report)
     return report

@@ -210,6 +210,7 @@ class Manifest(Record):
     compute_dtype: str | None = None
     cuda_allocator: Any = None
     versions: dict[str, Any] | None = None  # package -> version where it was quantized
+    cpu: dict[str, Any] | None = None  # the processor it was made on, for the card's CPU serve advice (cpu_serve)
     git: dict[str, Any] | None = None
     timings_s: dict[str, Num] | None = None
     stage_parts_s: dict[str, dict[str, Num]] | None = None  # stage -> part -> seconds (`runner.Timings.laps`)

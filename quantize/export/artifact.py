@@ -19,7 +19,7 @@ from .. import formats
 from ..preflight import deploy
 from ..records import Manifest
 from ..source import load as source
-from . import capacity, modelcard, serve_config, write as export
+from . import capacity, cpu_serve, modelcard, serve_config, write as export
 from .stream import WeightStream
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def _write(job: Job, the_plan, weights: WeightStream, model, stages: dict, run: 
             "shared_pass": run.shared,
             "device": str(run.device), "compute_dtype": str(run.compute_dtype).removeprefix("torch."),
             "cuda_allocator": run.provenance["cuda_allocator"],
-            "versions": run.provenance["versions"], "git": run.provenance["git"],
+            "versions": run.provenance["versions"], "cpu": cpu_serve.facts(), "git": run.provenance["git"],
             "timings_s": {**stages, "export": round(time.perf_counter() - t0, 3)},
             **({"stage_parts_s": run.stage_parts} if run.stage_parts else {}),
             "pass_seconds": run.pass_seconds,  # the quantize stage's time: device upload, FP forwards, jobs

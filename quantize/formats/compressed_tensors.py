@@ -2,6 +2,7 @@
 
 - weight_packed int32 [out, in * b / 32]: signed code + 2^(b-1) packed along `in` (low bits first)
 - weight_scale [out, n_group]; weight_shape [2]
+- actorder "group" adds weight_g_idx int32 [in]: input column i belongs to group weight_g_idx[i]
 - asymmetric adds weight_zero_point int32 [ceil(out * b / 32), n_group]: signed zero + 2^(b-1), packed along `out`
 Our codes are unsigned in [0, 2^b) with zero z, so signed code = code - 2^(b-1) and signed zero = z - 2^(b-1):
 the stored values are our codes and zeros unchanged, packed low bits first by `packing.pack_int32` (the
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..methods.primitives import symmetric_zero
+from .checks import check_g_idx, contiguous, expect, groups_divide, integer, need
 from .packing import pack_int32, unpack_int32
 
 
@@ -31,14 +33,33 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: i
 
 def unpack(tensors: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> codes [out, in] uint8, scales [out, n_group], zeros [out, n_group] int32 (2^(b-1) when symmetric)."""
-    out_f, in_f = tensors["weight_shape"].tolist()
-    scales = tensors["weight_scale"]
-    codes = unpack_int32(tensors["weight_packed"], bits, cols=in_f).to(torch.uint8)  # [out, in]
+    packed, scales, shape = need(tensors, "weight_packed"), need(tensors, "weight_scale"), need(tensors, "weight_shape")
+    integer(tensors, "weight_packed")
+    expect(tensors, "weight_shape", (2,), "the layout's [out, in]")
+    out_f, in_f = shape.tolist()
+    expect(tensors, "weight_packed", (out_f, -(-in_f * bits // 32)), f"weight_shape [{out_f}, {in_f}] at {bits} bits")
+    n_group = scales.shape[-1]
+    expect(tensors, "weight_scale", (out_f, n_group), f"weight_shape [{out_f}, {in_f}]")
+    codes = unpack_int32(packed, bits, cols=in_f).to(torch.uint8)  # [out, in]
     if "weight_zero_point" in tensors:
+        integer(tensors, "weight_zero_point")
+        expect(tensors, "weight_zero_point", (-(-out_f * bits // 32), n_group),
+               f"weight_shape [{out_f}, {in_f}] and weight_scale {list(scales.shape)}")
         zeros = unpack_int32(tensors["weight_zero_point"].t(), bits, cols=out_f).t().to(torch.int32)  # [out, n_group]
     else:
         zeros = torch.full(scales.shape, symmetric_zero(bits), dtype=torch.int32, device=scales.device)
     return codes, scales, zeros
+
+
+def group_index(tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """weight_g_idx [in] where the groups are not runs of group_size columns (actorder: group), else None."""
+    out_f, in_f = tensors["weight_shape"].tolist()
+    n_group = tensors["weight_scale"].shape[-1]
+    g_idx = check_g_idx(tensors, "weight_g_idx", in_f, n_group, f"weight_shape [{out_f}, {in_f}]")
+    if contiguous(g_idx, in_f, n_group):
+        groups_divide("weight_scale", in_f, n_group)
+        return None
+    return g_idx
 
 
 def quantization_config(bits: int, group: int, symmetric: bool, act_order: bool, ignore: list[str]) -> dict:

@@ -7,6 +7,7 @@ Granularity: one (scale, zero) pair per `group` consecutive input columns of eac
 | qparams       | w [out, in]                 | scales [out, in // g], zeros [out, in // g] int |
 | quantize      | w, scales, zeros            | codes [out, in] uint8 in [0, 2^b - 1]           |
 | dequantize    | codes, scales, zeros        | w_hat [out, in]: (q - z) * s                    |
+| dequantize_by_index | codes, scales, zeros, g_idx [in] | w_hat [out, in], column i in group g_idx[i] |
 | fake_quant    | w [out, in]                 | dequantize(quantize(w))                         |
 
 Asymmetric (symmetric=False): s = (max - min) / (2^b - 1), z = round(-min / s).
@@ -72,6 +73,14 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -
     q = _grouped(codes.float(), group)  # [out, n_group, g]
     w = (q - zeros.float().unsqueeze(-1)) * scales.float().unsqueeze(-1)
     return w.reshape(out, inp)
+
+
+def dequantize_by_index(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                        g_idx: torch.Tensor) -> torch.Tensor:
+    """codes: [out, in], scales/zeros: [out, n_group], g_idx: [in] -> w_hat: [out, in] fp32, where input column i
+    takes group g_idx[i]'s scale and zero (activation-order checkpoints: groups are not runs of columns)."""
+    idx = g_idx.to(torch.int64)
+    return (codes.float() - zeros.float()[:, idx]) * scales.float()[:, idx]  # [out, n_group] -> [out, in]
 
 
 def fake_quant(w: torch.Tensor, w_bit: int, group: int, *, symmetric: bool) -> torch.Tensor:

@@ -47,7 +47,17 @@ def model_beside(model: str, recipe_file: Path) -> str:
     beside = recipe_file.resolve().parent / model
     if model.startswith(("./", "../")) or beside.exists():
         return str(beside.resolve())
+    _TRIED_BESIDE[model] = beside  # a hub id, or a directory that is missing: the loader's error says both
     return model
+
+
+# `model` values left as they were because nothing of that name lies beside the recipe -> where it was looked for
+_TRIED_BESIDE: dict[str, Path] = {}
+
+
+def directory_tried(model: str) -> Path | None:
+    """Where a recipe that named `model` looked for it as a directory (beside the recipe file), or None."""
+    return _TRIED_BESIDE.get(model)
 
 
 def _merge(base: dict, override: dict) -> dict:

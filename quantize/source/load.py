@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import UserError
 from .arch import attn_implementation, check_gguf_architecture
+from .not_found import not_found
 from ..files import sha256_file
 from ..paths import cache_dir
 
@@ -116,8 +117,7 @@ def resolve(spec: str) -> ModelSource:
     try:
         path = snapshot_download(spec, allow_patterns=patterns, local_files_only=hub_offline())
     except Exception as e:
-        hint = " (HF_HUB_OFFLINE=1 and it is not in the local hub cache)" if hub_offline() else ""
-        raise ModelSourceError(f"model {spec!r} could not be fetched from the hub{hint}: {e}") from None
+        raise ModelSourceError(not_found(spec, e, hub_offline())) from None
     return ModelSource(spec, Path(path), "hub")
 
 

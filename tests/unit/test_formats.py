@@ -63,13 +63,16 @@ def test_what_each_format_serves_is_its_data():
         == "q_group_size -1 (per channel) is not served in format awq; use 32, 64 or 128"
 
 
-def test_readers_refuse_what_vllm_refuses():
+def test_readers_refuse_layouts_they_cannot_decode():
     with pytest.raises(ValueError, match="gemv"):
         formats.AWQ.read_config({"quant_method": "awq", "version": "gemv", "bits": 4})
     with pytest.raises(ValueError, match="bits 8 is not supported by the AWQ GEMM reader"):
         formats.AWQ.read_config({"quant_method": "awq", "version": "gemm", "bits": 8})
-    with pytest.raises(ValueError, match="desc_act"):
-        formats.GPTQ.read_config({"quant_method": "gptq", "bits": 4, "desc_act": True})
+    with pytest.raises(ValueError, match="checkpoint_format 'marlin'"):
+        formats.GPTQ.read_config({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"})
+    # act-order (desc_act: true) decodes through g_idx; that vLLM 0.32 refuses to serve it is the smoke test's
+    # to report, not a reason to leave another tool's directory unscored
+    assert formats.GPTQ.read_config({"quant_method": "gptq", "bits": 4, "desc_act": True}) == 4
 
 
 @pytest.mark.parametrize("fmt,shape,group,symmetric,kernel", [

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -35,11 +37,40 @@ def test_gptq_round_trip(bits):
     assert torch.equal(c, codes) and torch.equal(s, scales) and torch.equal(z, zeros)
 
 
-def test_gptq_permuted_g_idx_refused():
+def test_gptq_permuted_g_idx_refused_without_desc_act_and_decoded_with_it():
+    """Act-order (a tool's desc_act: true): row i takes group g_idx[i]'s scale. The same g_idx under desc_act:
+    false is refused, naming g_idx: vLLM would read it as contiguous groups."""
+    from quantize.formats import GPTQ
+    from quantize.formats.checks import TensorError
+
+    codes, scales, _ = _rand()
+    perm = torch.randperm(256, generator=torch.Generator().manual_seed(1))
+    g_idx = (torch.argsort(perm) // 64).to(torch.int32)  # row perm[p] is the p-th in activation order
+    p = {**gptq.pack(codes, scales, torch.full((64, 4), 8, dtype=torch.int32), 4), "g_idx": g_idx}
+    with pytest.raises(TensorError, match="desc_act: true") as e:
+        GPTQ.decode(p, {"sym": True, "desc_act": False}, 4)
+    assert e.value.tensor == "g_idx"
+    w = GPTQ.decode(p, {"sym": True, "desc_act": True}, 4)
+    want = (codes.float() - 8) * scales.float()[:, g_idx.long()]
+    assert torch.equal(w, want)
+
+
+@pytest.mark.parametrize("tensor, change, problem", [
+    ("qweight", lambda t: t[:-1], "expected [248] from qweight [31, 64] at 4 bits (248 input features)"), ("scales", lambda t: t[:, :-1], "expected [4, 64] from qweight"),
+    ("qzeros", lambda t: t.float(), "not packed int32"), ("qzeros", None, "is missing"),
+])
+def test_gptq_tensors_that_do_not_fit_the_layout_are_named(tensor, change, problem):
+    from quantize.formats import GPTQ
+    from quantize.formats.checks import TensorError
+
     p = gptq.pack(*_rand(), 4)
-    p["g_idx"] = p["g_idx"][torch.randperm(256)]
-    with pytest.raises(ValueError, match="not contiguous"):
-        gptq.unpack(p, 4)
+    if change is None:
+        del p[tensor]
+    else:
+        p[tensor] = change(p[tensor])
+    with pytest.raises(TensorError, match=re.escape(problem)) as e:
+        GPTQ.decode(p, {"sym": True}, 4)
+    assert e.value.tensor == (tensor if tensor != "qweight" else "g_idx")
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -32,8 +32,35 @@ def test_a_hub_id_offline_says_it_is_not_in_the_cache(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    with pytest.raises(source.ModelSourceError, match="HF_HUB_OFFLINE=1 and it is not in the local hub cache"):
+    with pytest.raises(source.ModelSourceError) as e:
         source.resolve("Owner/model-7b")
+    assert f"there is no directory {tmp_path / 'Owner' / 'model-7b'} (resolved against the working directory)" \
+        in str(e.value)
+    assert "hub id 'Owner/model-7b' is not in the local hub cache (HF_HUB_OFFLINE=1: the hub was not asked)" \
+        in str(e.value)
+
+
+def test_a_recipe_model_missing_beside_it_and_from_the_hub_cache_says_both(tmp_path, monkeypatch):
+    """`model: models/does-not-exist` reads like a hub id: the message names the directory looked for beside the
+    recipe and the hub id looked for in the cache, what to change, and none of the hub library's own text."""
+    from quantize.recipe import load_recipe
+    from tests.conftest import write_recipe
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    (tmp_path / "recipes").mkdir()
+    recipe = load_recipe(str(write_recipe(tmp_path / "recipes" / "mine.yaml", base="smollm2-awq-g64",
+                                          model="models/does-not-exist")))
+    with pytest.raises(source.ModelSourceError) as e:
+        source.resolve(recipe.model)
+    msg = str(e.value)
+    assert msg.startswith("model 'models/does-not-exist' was found neither as a directory nor on the hub: ")
+    assert f"no directory {tmp_path / 'recipes' / 'models' / 'does-not-exist'} (a relative `model` is looked for " \
+           f"beside the recipe)" in msg
+    assert "hub id 'models/does-not-exist' is not in the local hub cache" in msg
+    assert "Fix the path if the model is local, or fetch the hub model once" in msg
+    assert "local_files_only" not in msg and "snapshot" not in msg
 
 
 def test_config_without_weights_says_no_weight_files_were_found(tmp_path):

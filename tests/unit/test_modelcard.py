@@ -187,14 +187,50 @@ def test_the_machine_names_the_processor_once_and_timings_read_as_seconds():
     assert seconds_text({"load": 12.345, "hash": 0.032, "eval": 0}) == "load 12.3 s, hash 0.032 s, eval 0 s"
 
 
-def test_a_bfloat16_card_says_how_to_serve_it_on_an_amx_cpu():
-    """vLLM 0.32's CPU build dies (SIGILL) on a bfloat16 4-bit linear on an AMX processor unless the tile state was
-    asked for: a bfloat16 artifact's card gives the command that asks; a float16 one has no such paragraph."""
+def _serve_section(**over) -> str:
     serve = {"served-model-name": "smollm2-awq-g64", "quantization": "compressed-tensors", "max-model-len": 2048}
-    fp16 = modelcard.render({**MANIFEST, "serve": serve})
-    bf16 = modelcard.render({**MANIFEST, "serve": serve, "recipe": {**MANIFEST["recipe"], "dtype": "bfloat16"}})
-    assert "eval.vllm_server" not in fp16 and "SIGILL" not in fp16
-    line = next(l for l in bf16.splitlines() if "python -m eval.vllm_server" in l)
-    assert "--config vllm-serve.yaml" in line and "--gpu-memory-utilization 0.3" in line
-    assert "amx_bf16" in bf16
+    text = modelcard.render({**MANIFEST, "serve": serve, **over})
+    return text[text.index("## Serve"):text.index("## Quantization")]
 
+
+AVX2 = {"model": "Intel(R) Core(TM) i7-8700", "avx512": False, "amx": False}
+AMX = {"model": "Intel(R) Xeon(R) Platinum 8480+", "avx512": True, "amx": True}
+AVX512 = {"model": "AMD EPYC 9654", "avx512": True, "amx": False}
+BF16 = {**MANIFEST["recipe"], "dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("cpu, recipe, verdict", [
+    (AVX2, MANIFEST["recipe"], "(Intel(R) Core(TM) i7-8700: no AVX-512), neither command serves it: vLLM's CPU "
+                               "build has no 4-bit kernel there"),
+    (AMX, BF16, "(Intel(R) Xeon(R) Platinum 8480+: AVX-512, AMX), the launcher serves it and vLLM's own server "
+                "does not (bfloat16 4-bit weights on AMX)"),
+    (AMX, MANIFEST["recipe"], "(Intel(R) Xeon(R) Platinum 8480+: AVX-512, AMX), both commands serve it"),
+    (AVX512, BF16, "(AMD EPYC 9654: AVX-512), both commands serve it"),
+])
+def test_the_cpu_serve_command_is_the_launcher_and_the_card_says_where_each_fails(cpu, recipe, verdict):
+    """The card's first CPU command is quantize's launcher (it asks for the AMX tile state that vLLM 0.32's
+    bfloat16 4-bit kernel needs, and refuses where there is no 4-bit kernel); vLLM's own server follows with where
+    it fails, and the card says which of them serves the artifact on the processor it was made on."""
+    text = _serve_section(cpu=cpu, recipe=recipe)
+    blocks = text.split("```bash\n")[2:4]  # after the CUDA command: the launcher, then vLLM's own
+    assert blocks[0].startswith("PYTHONPATH=/path/to/quantize python -m eval.serve . --port 8000\n")
+    assert blocks[1].startswith("VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model . ")
+    assert "SIGILL" in text and "without AVX-512 a 4-bit model loads and its first request fails" in text
+    assert f"On the processor this artifact was made on {verdict}." in text
+
+
+def test_a_card_without_the_processor_recorded_gives_no_verdict():
+    text = _serve_section()
+    assert "python -m eval.serve" in text and "On the processor this artifact was made on" not in text
+
+
+def test_the_processor_facts_come_from_cpuinfo(tmp_path):
+    from quantize.export import cpu_serve
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+                    "flags\t\t: fpu sse avx2 avx512f amx_bf16 amx_tile\n")
+    assert cpu_serve.facts(info) == {"model": "Intel(R) Xeon(R) Platinum 8480+", "avx512": True, "amx": True}
+    info.write_text("flags\t\t: fpu sse avx2\n")
+    assert cpu_serve.facts(info) == {"model": None, "avx512": False, "amx": False}
+    assert cpu_serve.facts(tmp_path / "absent") is None
