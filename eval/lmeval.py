@@ -129,6 +129,9 @@ def version(name):
 
 md.version = version
 sys.argv[0] = "lm_eval"
+from eval.child import watch_parent
+
+watch_parent()
 from lm_eval.__main__ import cli_evaluate
 
 cli_evaluate()
@@ -138,6 +141,7 @@ cli_evaluate()
 def run_vllm(artifact: Path, tasks: list[str], limit: int | None, dtype: str, timeout_s: int) -> dict:
     """lm-eval's vLLM backend on the artifact in a child process (the real 4-bit kernels), with the environment
     and memory share the smoke's vLLM child gets -> scores, or the error."""
+    from . import child
     from .vllm_run import cuda_build, root_cause, vllm_env
 
     share = 0.85 if cuda_build() else 0.3  # the CPU build reserves that share of host RAM
@@ -148,7 +152,10 @@ def run_vllm(artifact: Path, tasks: list[str], limit: int | None, dtype: str, ti
         cmd += ["--limit", str(limit)] if limit else []
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, env=vllm_env(Path(work)), capture_output=True, text=True, timeout=timeout_s)
+            # this project's root first on the path: the child imports eval.child from whatever directory it runs in
+            env = vllm_env(Path(work))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TASKS_DIR.parent.parent), env.get("PYTHONPATH")) if p)
+            proc = child.run(cmd, env, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return {"error": f"lm-eval's vLLM backend did not finish within {timeout_s} s", "seconds": timeout_s}
         seconds = round(time.perf_counter() - t0, 2)

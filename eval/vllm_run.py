@@ -26,6 +26,8 @@ import torch
 
 from quantize.errors import UserError
 
+from . import child
+
 
 class VllmError(UserError, RuntimeError):
     pass
@@ -86,8 +88,7 @@ def run_vllm(model_dir: Path, token_ids: list[list[int]], top_k: int = 5, max_to
         cmd = [sys.executable, "-m", "eval.vllm_run", "--model", str(model_dir), "--prompts",
                str(work / "prompts.json"), "--out", str(work / "out.json")]
         try:
-            proc = subprocess.run(cmd, env=vllm_env(work), capture_output=True, text=True, timeout=timeout,
-                                  cwd=Path(__file__).resolve().parent.parent)
+            proc = child.run(cmd, vllm_env(work), timeout=timeout, cwd=Path(__file__).resolve().parent.parent)
         except subprocess.TimeoutExpired as e:
             raise VllmError(f"vLLM did not finish within {timeout:.0f} s on {model_dir}") from e
         result = whole_json(work / "out.json")
@@ -189,6 +190,7 @@ def _child(model: str, prompts_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
+    child.watch_parent()  # before vLLM starts its engine: the group dies with whoever started this run
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompts", required=True)
