@@ -142,9 +142,9 @@ def run_vllm(artifact: Path, tasks: list[str], limit: int | None, dtype: str, ti
     """lm-eval's vLLM backend on the artifact in a child process (the real 4-bit kernels), with the environment
     and memory share the smoke's vLLM child gets -> scores, or the error."""
     from . import child
-    from .vllm_run import cuda_build, root_cause, vllm_env
+    from .vllm_run import GPU_MEMORY_FRACTION, cuda_build, root_cause, vllm_env
 
-    share = 0.85 if cuda_build() else 0.3  # the CPU build reserves that share of host RAM
+    share = GPU_MEMORY_FRACTION if cuda_build() else 0.3  # the CPU build reserves that share of host RAM
     with tempfile.TemporaryDirectory(prefix="lm-eval-vllm-") as work:
         args = f"pretrained={artifact},dtype={dtype},enforce_eager=True,gpu_memory_utilization={share}"
         cmd = [sys.executable, "-c", _LAUNCH, "run", "--model", "vllm", "--model_args", args,

@@ -52,6 +52,10 @@ if __name__ in ("__main__", "__mp_main__"):  # a vLLM process: see allow_amx
     allow_amx()
 
 
+# vLLM's gpu_memory_utilization for a child on a GPU: this process holds no model there while vLLM runs
+GPU_MEMORY_FRACTION = 0.85
+
+
 def vllm_env(work: Path) -> dict[str, str]:
     """Environment for a vLLM child: the CPU build's KV cache size and exact W4A16 numerics, caches under `work`,
     and on CUDA without flashinfer vLLM's own sampler."""
@@ -79,7 +83,7 @@ def run_vllm(model_dir: Path, token_ids: list[list[int]], top_k: int = 5, max_to
     there while vLLM runs).
     """
     if memory_fraction is None:
-        memory_fraction = 0.85 if cuda_build() else 0.3
+        memory_fraction = GPU_MEMORY_FRACTION if cuda_build() else 0.3
     with tempfile.TemporaryDirectory(prefix="vllm-run-") as work_s:
         work = Path(work_s)
         (work / "prompts.json").write_text(json.dumps(
