@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from eval import child
-from eval.vllm_run import VllmError, root_cause, vllm_env
+from eval.vllm_run import VllmError, root_cause, shut_down, vllm_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,7 +74,7 @@ def _child(model_dir: str, out: str) -> None:
     llm = LLM(model=model_dir, dtype="float16", enforce_eager=True, max_model_len=256, max_num_seqs=1,
               gpu_memory_utilization=0.1)
     Path(out).write_text(json.dumps(llm.apply_model(report)[0]))
-    del llm
+    shut_down(llm)
 
 
 if __name__ == "__main__":
