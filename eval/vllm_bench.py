@@ -5,6 +5,9 @@ fails on its package metadata): the same parser and main, from vllm/benchmarks/s
 """
 
 if __name__ == "__main__":
+    from eval.child import watch_parent
+
+    watch_parent()  # a benchmark left running would keep loading a server that is being stopped
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

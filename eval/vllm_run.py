@@ -26,6 +26,8 @@ import torch
 
 from quantize.errors import UserError
 
+from . import child
+
 
 class VllmError(UserError, RuntimeError):
     pass
@@ -48,6 +50,10 @@ def allow_amx() -> bool:
 
 if __name__ in ("__main__", "__mp_main__"):  # a vLLM process: see allow_amx
     allow_amx()
+
+
+# vLLM's gpu_memory_utilization for a child on a GPU: this process holds no model there while vLLM runs
+GPU_MEMORY_FRACTION = 0.85
 
 
 def vllm_env(work: Path) -> dict[str, str]:
@@ -77,7 +83,7 @@ def run_vllm(model_dir: Path, token_ids: list[list[int]], top_k: int = 5, max_to
     there while vLLM runs).
     """
     if memory_fraction is None:
-        memory_fraction = 0.85 if cuda_build() else 0.3
+        memory_fraction = GPU_MEMORY_FRACTION if cuda_build() else 0.3
     with tempfile.TemporaryDirectory(prefix="vllm-run-") as work_s:
         work = Path(work_s)
         (work / "prompts.json").write_text(json.dumps(
@@ -86,17 +92,22 @@ def run_vllm(model_dir: Path, token_ids: list[list[int]], top_k: int = 5, max_to
         cmd = [sys.executable, "-m", "eval.vllm_run", "--model", str(model_dir), "--prompts",
                str(work / "prompts.json"), "--out", str(work / "out.json")]
         try:
-            proc = subprocess.run(cmd, env=vllm_env(work), capture_output=True, text=True, timeout=timeout,
-                                  cwd=Path(__file__).resolve().parent.parent)
+            proc = child.run(cmd, vllm_env(work), timeout=timeout, cwd=Path(__file__).resolve().parent.parent)
         except subprocess.TimeoutExpired as e:
             raise VllmError(f"vLLM did not finish within {timeout:.0f} s on {model_dir}") from e
         result = whole_json(work / "out.json")
-        # the CPU build may abort (SIGABRT) in its teardown after the child wrote its whole result: that stands
-        if result is None or proc.returncode not in (0, -signal.SIGABRT):
-            log = (proc.stdout or "") + (proc.stderr or "")
+        log = (proc.stdout or "") + (proc.stderr or "")
+        if result is None or not (proc.returncode == 0 or teardown_abort(proc.returncode, log)):
             raise VllmError(f"vLLM failed on {model_dir} (exit {proc.returncode}):\n{root_cause(log)}")
-        result["kernels"] = kernels_from_log((proc.stdout or "") + (proc.stderr or ""))
+        result["kernels"] = kernels_from_log(log)
         return result
+
+
+def teardown_abort(returncode: int, log: str) -> bool:
+    """Whether a child that wrote its whole result then died the way a thread forced to unwind at interpreter
+    exit kills it (SIGABRT after "terminate called without an active exception"): the result stands. `shut_down`
+    is meant to leave no such thread; this stays for one that vLLM starts and does not stop."""
+    return returncode == -signal.SIGABRT and "terminate called without an active exception" in log
 
 
 def whole_json(path: Path) -> dict | None:
@@ -154,6 +165,24 @@ def _cut(line: str, width: int = 600) -> str:
     return line if len(line) <= width else line[:width] + " ..."
 
 
+def shut_down(*llms, wait_s: float = 10) -> None:
+    """Stop each `vllm.LLM`'s engine and let vLLM's background threads end, before the interpreter exits.
+
+    Left to interpreter exit, the engine goes down while Python finalizes, and vLLM's daemon threads in this
+    process (the sync client's output thread in a zmq poll, the engine-core monitor) wake to a finalizing
+    interpreter: a thread then forced to unwind through libzmq's C++ aborts the process ("terminate called
+    without an active exception", SIGABRT) after the result was written. `engine_core.shutdown()` is vLLM's
+    own: it stops the engine processes and sends the output thread its shutdown message."""
+    import threading
+
+    for llm in llms:
+        llm.llm_engine.engine_core.shutdown()
+    deadline = time.monotonic() + wait_s
+    for t in threading.enumerate():
+        if t.daemon and t is not threading.current_thread():
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
 def _child(model: str, prompts_path: str, out_path: str) -> None:
     spec = json.loads(Path(prompts_path).read_text())
     t0 = time.perf_counter()
@@ -185,10 +214,11 @@ def _child(model: str, prompts_path: str, out_path: str) -> None:
     result["quantization"] = qc
     result["generated_tokens"] = sum(len(g) for g in result["generations"])
     Path(out_path).write_text(json.dumps(result))
-    del llm
+    shut_down(llm)
 
 
 if __name__ == "__main__":
+    child.watch_parent()  # before vLLM starts its engine: the group dies with whoever started this run
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompts", required=True)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import runpy
 
+from .child import watch_parent
 from .vllm_run import allow_amx
 
 if __name__ in ("__main__", "__mp_main__"):  # this server's process or one vLLM spawned: see allow_amx
     allow_amx()
 
 if __name__ == "__main__":
+    watch_parent()  # before vLLM starts its engine: the group dies with whoever started this server
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")

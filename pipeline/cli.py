@@ -173,6 +173,9 @@ def _eval_command(args) -> int:
         eopts = eopts.model_copy(update={"vllm": eopts.vllm.model_copy(update={"enabled": False})})
     from quantize.lock import output_lock
 
+    from eval import gpu_share
+
+    gpu_share.warn_before_eval(eopts)  # a GPU another process holds is said now, not at the vLLM stage
     with output_lock(artifact):  # no quantize run replaces the artifact while it is being scored
         return run_eval(artifact, args.base, eopts)
 
@@ -220,6 +223,7 @@ def _main_handled(argv: list[str] | None) -> int:
 def _run_command(args, recipe) -> int:
     """`run`: quantize, then evaluate unless the recipe or --no-eval says not to. Under torchrun (WORLD_SIZE > 1)
     every rank quantizes its share; rank 0 alone holds the lock, writes the artifact and evaluates it."""
+    from eval import gpu_share
     from quantize import runner
     from quantize.capture import distributed
     from quantize.lock import output_lock
@@ -239,6 +243,8 @@ def _run_command(args, recipe) -> int:
                 dist.agree(lambda: take() if writer else None)
             try:
                 evaluates = recipe.eval.enabled and not args.no_eval
+                if evaluates and writer:  # a GPU another process holds is said now, not after the quantize stage
+                    gpu_share.warn_before_eval(recipe.eval)
                 check = hashes.before_weights if writer else stages.check_eval_inputs
                 out = runner.run(args.recipe, out_root=args.out, force=args.force, locked=True, dist=dist,
                                  before_weights=check if evaluates else None)

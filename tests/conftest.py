@@ -29,6 +29,20 @@ def threads_running(*prefixes: str) -> list[threading.Thread]:
     return [t for t in threads if t.is_alive()]
 
 
+def process_group(pgid: int) -> list[str]:
+    """The live processes of process group pgid, as "pid command" (zombies are dead: they hold nothing)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+            cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # exited while being read
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(f"{stat.parent.name} {cmd[:120]}")
+    return out
+
+
 def build_tokenizer(out: Path, vocab_size: int = 512):
     """A byte-level BPE tokenizer trained on a slice of the bundled calibration text (fast, offline)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

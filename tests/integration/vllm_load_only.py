@@ -10,12 +10,12 @@ weight, which is where a checkpoint whose config and tensors disagree is refused
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from eval.vllm_run import VllmError, root_cause, vllm_env
+from eval import child
+from eval.vllm_run import VllmError, root_cause, shut_down, vllm_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +58,7 @@ def load(model_dir: Path, timeout: float = 600) -> dict[str, dict]:
         env = vllm_env(work)
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model sends a function to the worker
         cmd = [sys.executable, "-m", "tests.integration.vllm_load_only", str(model_dir), str(work / "out.json")]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        proc = child.run(cmd, env, timeout=timeout, cwd=ROOT)
         if proc.returncode != 0 or not (work / "out.json").is_file():
             raise VllmError(f"vLLM failed on {model_dir} (exit {proc.returncode}):\n"
                             f"{root_cause(proc.stdout + proc.stderr)}")
@@ -74,8 +74,9 @@ def _child(model_dir: str, out: str) -> None:
     llm = LLM(model=model_dir, dtype="float16", enforce_eager=True, max_model_len=256, max_num_seqs=1,
               gpu_memory_utilization=0.1)
     Path(out).write_text(json.dumps(llm.apply_model(report)[0]))
-    del llm
+    shut_down(llm)
 
 
 if __name__ == "__main__":
+    child.watch_parent()
     _child(sys.argv[1], sys.argv[2])

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from eval import lmeval
+from eval import child, lmeval
 
 RESULTS = {"results": {"wikitext_continuation": {"acc,none": 0.25, "acc_norm,none": 0.5, "alias": "w"}}}
 
 
 def _child(rc: int, write: str | None):
     """A stand-in for the lm-eval child: writes `write` as its results file under --output_path, exits rc."""
-    def run(cmd, **kw):
+    def run(cmd, *args, **kw):
         out = Path(cmd[cmd.index("--output_path") + 1]) / "art"
         out.mkdir()
         if write is not None:
@@ -28,7 +28,7 @@ def _child(rc: int, write: str | None):
 
 @pytest.mark.parametrize("rc", [0, -signal.SIGABRT])
 def test_scores_written_stand_even_if_the_child_aborts_at_exit(monkeypatch, tmp_path, rc):
-    monkeypatch.setattr(lmeval.subprocess, "run", _child(rc, json.dumps(RESULTS)))
+    monkeypatch.setattr(child, "run", _child(rc, json.dumps(RESULTS)))
     r = lmeval.run_vllm(tmp_path, ["wikitext_continuation"], 8, "float16", 60)
     assert r["scores"] == {"wikitext_continuation": {"acc": 0.25, "acc_norm": 0.5}}
     assert ("exit" in r) == (rc != 0) and "error" not in r
@@ -39,6 +39,6 @@ def test_scores_written_stand_even_if_the_child_aborts_at_exit(monkeypatch, tmp_
 @pytest.mark.parametrize("rc,write", [(-signal.SIGABRT, None), (-signal.SIGABRT, '{"results": {'),
                                       (1, json.dumps(RESULTS)), (-signal.SIGSEGV, json.dumps(RESULTS))])
 def test_no_whole_results_or_another_failure_is_an_error(monkeypatch, tmp_path, rc, write):
-    monkeypatch.setattr(lmeval.subprocess, "run", _child(rc, write))
+    monkeypatch.setattr(child, "run", _child(rc, write))
     r = lmeval.run_vllm(tmp_path, ["wikitext_continuation"], 8, "float16", 60)
     assert "scores" not in r and r["error"] and r["exit_code"] == rc
