@@ -2,7 +2,7 @@
 
 vLLM refuses to start (or runs out of memory) when less than its `gpu_memory_utilization` share of the card is
 free, typically because a vLLM left behind by an earlier run still holds it. A run says so at its start, naming
-the holders' process ids where NVML answers (pynvml, else `nvidia-smi`), instead of failing an hour later in
+the holders' process ids where NVML answers (through `nvidia-smi`), instead of failing an hour later in
 the eval's vLLM stage.
 """
 
@@ -42,22 +42,13 @@ def busy_message(free: int, total: int, share: float, holders: list[Holder], own
 
 
 def holders(uuid: str) -> list[Holder]:
-    """The compute processes on the GPU with this UUID: pynvml, else nvidia-smi, else [] (neither answers)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByUUID(_nvml_uuid(uuid))
-            return [Holder(p.pid, p.usedGpuMemory) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception as e:  # noqa: BLE001 - not installed, or no NVML library: nvidia-smi may still answer
-        log.debug("pynvml: %s", e)
+    """The compute processes on the GPU with this UUID, as NVML reports them through `nvidia-smi` (it ships with
+    the driver; no Python binding needed), or [] where it does not answer."""
     return _smi_holders(uuid)
 
 
 def _nvml_uuid(uuid: str) -> str:
+    """torch's device UUID -> NVML's form ('GPU-' prefixed)."""
     return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
 
 
