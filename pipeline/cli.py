@@ -228,7 +228,7 @@ def _run_command(args, recipe) -> int:
     from quantize.capture import distributed
     from quantize.lock import output_lock
 
-    from . import stages
+    from . import expect, stages
 
     dist = distributed.init_from_env()
     hashes = stages.BaseHashes()  # the eval's base model hashed during the quantize stage (rank 0, on a GPU)
@@ -245,6 +245,8 @@ def _run_command(args, recipe) -> int:
                 evaluates = recipe.eval.enabled and not args.no_eval
                 if evaluates and writer:  # a GPU another process holds is said now, not after the quantize stage
                     gpu_share.warn_before_eval(recipe.eval)
+                if writer:  # a slow CPU and a skipped smoke are said now, not after minutes
+                    expect.announce(recipe, evaluates)
                 check = hashes.before_weights if writer else stages.check_eval_inputs
                 out = runner.run(args.recipe, out_root=args.out, force=args.force, locked=True, dist=dist,
                                  before_weights=check if evaluates else None)
