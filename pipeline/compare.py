@@ -17,10 +17,11 @@ from quantize import formats, manifest, methods, runner
 from quantize.export.modelcard import protocol_sentence
 from quantize.paths import child
 from quantize.recipe import load_variants
-from quantize.records import Manifest
+from quantize.records import Manifest, Report
 
 from eval.readable import machine, seconds_text
 
+from . import external
 from .stages import BaseHashes, evaluate
 
 log = logging.getLogger(__name__)
@@ -87,27 +88,52 @@ def row(artifact: Path) -> dict:
     if m is None:
         raise manifest.ArtifactError(f"{artifact}: no {manifest.MANIFEST}; compare reads artifacts written by "
                                      f"make quantize")
-    rec, rep = m.recipe, manifest.read_report(artifact)
+    rec = m.recipe
+    t = m.timings_s or {}
+    return {
+        "variant": m.artifact, "artifact": str(artifact), "external": False, "tool": None, "method": rec.method,
+        "w_bit": rec.w_bit, "group_size": rec.q_group_size, "zero_point": rec.zero_point, "format": m.format.name,
+        **sizes(artifact, rec.w_bit), **_figures(manifest.read_report(artifact)),
+        "quantize_s": t.get("quantize"), "pipeline_s": round(sum(t.values()), 3) if t else None,
+        "base_model": m.model.spec, "source_bytes": source_bytes(m),
+        "h100_tp1_kernel": m.deploy.kernels.get("9.0", {}).get("1") if m.deploy else None,
+    }
+
+
+def external_row(artifact: Path, rep: Report | None, base_spec: str) -> dict:
+    """The row of another tool's directory: its figures from `rep` (scored against `base_spec`), its
+    quantization from config.json, no times or kernel (no manifest of ours records them)."""
+    artifact = Path(artifact)
+    d = external.describe(artifact)
+    return {
+        "variant": artifact.name, "artifact": str(artifact), "external": True, "tool": d["tool"], "method": None,
+        "w_bit": d["w_bit"], "group_size": d["group_size"], "zero_point": d["zero_point"], "format": d["format"],
+        "format_title": d["format_title"], **sizes(artifact, d["w_bit"]), **_figures(rep),
+        "quantize_s": None, "pipeline_s": None, "base_model": base_spec, "source_bytes": None,
+        "h100_tp1_kernel": None,
+    }
+
+
+def _figures(rep: Report | None) -> dict:
+    """A report's perplexity, distribution and vLLM smoke columns (None each before an eval)."""
     ppl = rep.perplexity if rep is not None else None
     smoke = rep.vllm_smoke if rep is not None else None
     dist = rep.distribution if rep is not None else None
-    t = m.timings_s or {}
     return {
-        "variant": m.artifact, "artifact": str(artifact), "method": rec.method, "w_bit": rec.w_bit,
-        "group_size": rec.q_group_size, "zero_point": rec.zero_point, "format": m.format.name,
-        **sizes(artifact, rec.w_bit),
         "ppl_fp16": ppl.fp16.ppl if ppl else None, "ppl": ppl.quantized.ppl if ppl else None,
         "delta_ppl": ppl.delta if ppl else None, "delta_ppl_pct": ppl.delta_pct if ppl else None,
-        "quantize_s": t.get("quantize"), "pipeline_s": round(sum(t.values()), 3) if t else None,
         "vllm_smoke": ("not run" if smoke is None else "skipped" if smoke.skipped is not None
                        else "passed" if smoke.passed else "FAILED"),
         "token_agreement": smoke.token_agreement if smoke else None,
         **{k: getattr(dist, k) if dist else None for k in ("kl_mean", "kl_p99", "top1")},
         "eval_passed": None if rep is None else rep.passed,
-        "protocol": ppl.protocol.to_json() if ppl else None, "base_model": m.model.spec,
-        "source_bytes": source_bytes(m),
-        "h100_tp1_kernel": m.deploy.kernels.get("9.0", {}).get("1") if m.deploy else None,
+        "protocol": ppl.protocol.to_json() if ppl else None,
     }
+
+
+def _label(r: dict) -> str:
+    """A row's method as the table and plot name it: ours by method, another tool's directory by its tool."""
+    return r["method"] if not r.get("external") else f"external: {r['tool'] or 'tool not named in config.json'}"
 
 
 def _fmt(v, spec: str) -> str:
@@ -126,7 +152,7 @@ def render_markdown(name: str, rows: list[dict], meta: dict) -> str:
               "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['variant']} | {r['method']} | {r['w_bit']} | {r['group_size']} | {r['format']} | "
+            f"| {r['variant']} | {_label(r)} | {r['w_bit']} | {r['group_size']} | {r['format']} | "
             f"{r['bytes_on_disk'] / 1e6:.2f} | {_fmt(r['bits_per_weight'], '.3f')} | {_fmt(r['ppl'], '.4f')} | "
             f"{_fmt(r['delta_ppl'], '+.4f')} | {_fmt(r['delta_ppl_pct'], '+.2f')} | {_fmt(r.get('kl_mean'), '.4f')} | "
             f"{_fmt(r.get('kl_p99'), '.4f')} | {_fmt(r.get('top1'), '.4f')} | {_fmt(r['quantize_s'], '.1f')} | "
@@ -136,6 +162,13 @@ def render_markdown(name: str, rows: list[dict], meta: dict) -> str:
               "likely next token agrees with FP16's.",
               "", "bits / weight: every byte of the quantized linears (codes, scales, zeros) x 8 / their weights. "
               "quantize (s): this variant's own share of the shared layer-by-layer pass.", ""]
+    outside = [r for r in rows if r.get("external")]
+    if outside:
+        lines += ["External: directories another tool wrote (no manifest of ours), scored against the same base "
+                  "model on the same protocol; what they are comes from their config.json's quantization_config:", ""]
+        lines += [f"- {r['variant']}: {r['tool'] or 'tool not named'}, {r['format_title']}, `{r['artifact']}`"
+                  for r in outside]
+        lines.append("")
     if meta.get("timings_s"):
         lines += [f"Timings of this comparison run: {seconds_text(meta['timings_s'])}", ""]
     lines += [f"![Δppl against bits per weight and size, KL against bits per weight]({name}.png)", ""]
@@ -160,9 +193,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         pts = [r for r in rows if r.get(y) is not None]
         for r in pts:
             x = r[key] / 1e6 if key == "bytes_on_disk" else r[key]
-            ax.scatter(x, r[y], s=40, color=_colour(r["method"]))
-            ax.annotate(f"{r['method']} g{r['group_size']}", (x, r[y]), textcoords="offset points",
-                        xytext=(5, 4), fontsize=8)
+            ax.scatter(x, r[y], s=40, color=_colour(r["method"]), marker="^" if r.get("external") else "o")
+            who = (r["tool"] or r["variant"]) if r.get("external") else r["method"]
+            ax.annotate(f"{who} g{r['group_size']}", (x, r[y]), textcoords="offset points", xytext=(5, 4),
+                        fontsize=8)
         ax.set_xlabel(label)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
@@ -174,9 +208,11 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def write_comparison(name: str, artifacts: list[Path], out_root: Path, extra: dict | None = None) -> dict:
-    """compare-<name>.json / .md / .png under out_root -> the JSON document."""
-    rows = [row(a) for a in artifacts]
+def write_comparison(name: str, artifacts: list[Path], out_root: Path, extra: dict | None = None,
+                     external_rows: list[dict] = ()) -> dict:
+    """compare-<name>.json / .md / .png under out_root -> the JSON document. external_rows: `external_row`s,
+    after our variants'."""
+    rows = [row(a) for a in artifacts] + list(external_rows)
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(), **(extra or {})}
     doc = {"name": name, **meta, "rows": rows}
     out_root = Path(out_root)
@@ -209,14 +245,19 @@ def default_name(names: list[str]) -> str:
 
 
 def run_comparison(recipe_names: list[str], out_root: Path, force: bool = False, do_eval: bool = True,
-                   name: str | None = None) -> tuple[dict, int]:
+                   name: str | None = None, external_dirs: list[Path] = ()) -> tuple[dict, int]:
     """Quantize every variant (one shared pass per model/calibration), evaluate each, write the comparison.
+    external_dirs: other tools' directories, scored after the variants against their base model on their
+    protocol, one row each.
 
-    -> (comparison document, exit code: 0, or 3 when any variant's eval gate or vLLM smoke failed).
+    -> (comparison document, exit code: 0, or 3 when any variant's eval gate or vLLM smoke failed; another
+    tool's directory that fails a gate shows it in its row and changes no exit code).
     """
     variants = [v for n in recipe_names for v in load_variants(n)]  # every variant validated before any load
     name = name or default_name([Path(n).stem for n in recipe_names])
     comparison_stem(out_root, name)  # a --name that leads outside --out is refused before any work
+    external_dirs = [Path(d) for d in external_dirs]
+    base, eopts = _external_plan(variants, external_dirs)  # a directory of another model is refused now too
     groups: dict[tuple, list] = {}
     for v in variants:
         groups.setdefault(runner.share_key(v), []).append(v)
@@ -225,29 +266,63 @@ def run_comparison(recipe_names: list[str], out_root: Path, force: bool = False,
                     len(groups), ", ".join(runner.SHARED_KEYS))
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    artifacts, hashes = [], BaseHashes()  # each group's base model hashed during its pass, for the evals
+    artifacts, hashes, cache = [], BaseHashes(), {}  # each group's base model hashed during its pass, for the evals
+    failed = []
     try:
         for group in groups.values():
             log.info("shared pass: %s", ", ".join(v.name for v in group))
             artifacts += runner.run_many(group, out_root, force,
                                          before_weights=hashes.before_weights if do_eval else None)
         timings["quantize_all"] = round(time.perf_counter() - t0, 2)
-        failed = []
+        t0 = time.perf_counter()
         if do_eval:
-            t0, cache = time.perf_counter(), {}
             for v, art in zip([v for g in groups.values() for v in g], artifacts):
                 if v.eval.enabled:
                     log.info("eval %s", v.name)
                     if not evaluate(art, None, v.eval, cache=cache, hashes=hashes).passed:
                         failed.append(v.name)
+        outside = [external_row(d, _external_report(d, base, eopts, do_eval, cache, hashes), base)
+                   for d in external_dirs]
+        if do_eval:
             timings["eval_all"] = round(time.perf_counter() - t0, 2)
     finally:
         hashes.cancel()
     doc = write_comparison(name, artifacts, Path(out_root), {"recipes": recipe_names, "timings_s": timings,
-                                                             "eval_failed": failed})
+                                                             "eval_failed": failed}, outside)
     return doc, 3 if failed else 0
 
 
-def _colour(method: str) -> str:
-    """A method's colour in the comparison plot (grey for one not registered in this process)."""
+def _external_plan(variants: list, dirs: list[Path]) -> tuple[str | None, object]:
+    """The base model and eval options other tools' directories are scored with: the comparison's own (the first
+    evaluating variant's protocol); each directory checked against that model before any work."""
+    if not dirs:
+        return None, None
+    models = sorted({v.model for v in variants})
+    if len(models) > 1:
+        raise manifest.ArtifactError(f"--artifact: the recipes name {len(models)} base models ({', '.join(models)}): "
+                                     f"compare another tool's directory with recipes of the one model it was made "
+                                     f"from")
+    external.check(dirs, models[0])
+    return models[0], next((v.eval for v in variants if v.eval.enabled), variants[0].eval)
+
+
+def _external_report(d: Path, base: str, eopts, do_eval: bool, cache: dict, hashes: BaseHashes) -> Report | None:
+    """Another tool's directory scored as `eval --artifact DIR --base MODEL` scores it, its report written into
+    it; without an eval, a report already there that scored it alike, else None."""
+    from quantize.lock import output_lock
+
+    if do_eval and eopts.enabled:
+        log.info("eval %s (another tool's directory, against %s)", d, base)
+        with output_lock(d):  # as the eval command: no run replaces it while it is scored
+            return evaluate(d, base, eopts, cache=cache, hashes=hashes)
+    try:
+        rep = manifest.read_report(d)
+    except manifest.ArtifactError:
+        return None  # a report this version cannot read is no figure of this comparison
+    return rep if external.scored_alike(rep, base, eopts) else None
+
+
+def _colour(method: str | None) -> str:
+    """A method's colour in the comparison plot (grey for one not registered in this process, or another tool's
+    directory)."""
     return methods.REGISTRY[method].colour if method in methods.REGISTRY else "tab:gray"

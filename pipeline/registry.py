@@ -172,7 +172,7 @@ def chosen(artifacts: list[Path], variant: str | None) -> Path:
 
 
 def comparison_artifacts(out_root: Path, name: str) -> list[Path]:
-    """The artifact directories of `<out_root>/compare-<name>.json` (written by `compare`), in its order."""
+    """Our artifact directories of `<out_root>/compare-<name>.json` (written by `compare`), in its order."""
     doc_path = child(out_root, f"compare-{name}.json", "--comparison")
     if not doc_path.is_file():
         found = sorted(p.stem.removeprefix("compare-") for p in Path(out_root).glob("compare-*.json"))
@@ -180,7 +180,7 @@ def comparison_artifacts(out_root: Path, name: str) -> list[Path]:
                             + (f" or use one of {found}" if found else ""))
     try:
         rows = json.loads(doc_path.read_text())["rows"]
-        return [Path(r["artifact"]) for r in rows]
+        return [Path(r["artifact"]) for r in rows if not r.get("external")]  # other tools' rows: not ours to register
     except (ValueError, KeyError, TypeError) as e:
         raise RegistryError(f"{doc_path} is not a comparison written by `compare` ({type(e).__name__}: {e}); "
                             f"run make compare again") from None
