@@ -99,13 +99,15 @@ bench-serve: $(STAMP)
 		$(if $(OUTPUT_LEN),--output-len $(OUTPUT_LEN)) $(if $(CONCURRENCY),--concurrency $(CONCURRENCY))
 
 # make compare RECIPES="smollm2-awq-g32 smollm2-awq-g64" (or a sweep recipe: RECIPES=smollm2-awq-sweep) [NAME=x]
-# [FORCE=1] [EVAL=0]: one model load, one calibration and one layer-by-layer pass for all variants; each is
-# evaluated; artifacts/compare-<name>.{md,json,png}. Exit 3 when any variant's eval fails.
+# [FORCE=1] [EVAL=0] [ARTIFACTS="dir1 dir2"]: one model load, one calibration and one layer-by-layer pass for all
+# variants; each is evaluated; artifacts/compare-<name>.{md,json,png}. ARTIFACTS: other tools' 4-bit directories
+# (AutoAWQ, GPTQModel, llm-compressor, AutoRound) scored against the same base model and protocol, a row each
+# marked external. Exit 3 when any variant's eval fails.
 RECIPES ?= smollm2-awq-sweep
-## quantize and evaluate several recipes in one pass: RECIPES="a b" or a sweep -> artifacts/compare-<name>.*
+## quantize and evaluate several recipes in one pass: RECIPES="a b" or a sweep [ARTIFACTS=dirs] -> artifacts/compare-<name>.*
 compare: $(STAMP)
 	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m pipeline compare $(RECIPES) $(if $(NAME),--name $(NAME)) \
-		$(if $(FORCE),--force) $(if $(filter 0,$(EVAL)),--no-eval)
+		$(if $(FORCE),--force) $(if $(filter 0,$(EVAL)),--no-eval) $(foreach a,$(ARTIFACTS),--artifact $(a))
 
 # make register RECIPE=name|path (a sweep: each variant) | COMPARISON=name [NAME=model] [ALIAS=champion
 # [VARIANT=name]]: artifacts into the MLflow model registry (registry/mlflow.db unless MLFLOW_TRACKING_URI is set);

@@ -22,7 +22,7 @@ from pathlib import Path
 from quantize.errors import UserError
 from quantize.paths import check_output_parent, child
 from quantize.recipe import EvalOptions, RecipeError, list_recipes, load_recipe, load_variants
-from . import bytecode
+from . import bytecode, compare_cli
 from .oom import is_out_of_memory, oom_message
 
 
@@ -57,14 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default="artifacts", help="parent directory of the artifact (default: artifacts)")
     e.add_argument("--max-windows", type=int, help="override the perplexity window count")
     e.add_argument("--no-vllm", action="store_true", help="skip the vLLM smoke-load")
-    c = sub.add_parser("compare", parents=[common],
-                       help="quantize several recipes (or a sweep recipe) in one shared pass, evaluate each, write "
-                            "artifacts/compare-<name>.{md,json,png}")
-    c.add_argument("recipes", nargs="+", help="recipe names or YAML paths; a recipe with `sweep:` expands to variants")
-    c.add_argument("--name", help="comparison name (default: the recipes' common prefix)")
-    c.add_argument("--out", default="artifacts", help="parent directory of the artifacts and comparison files")
-    c.add_argument("--force", action="store_true", help="replace existing artifact directories")
-    c.add_argument("--no-eval", action="store_true", help="compare sizes and times only (no perplexity, no vLLM)")
+    compare_cli.add_parser(sub, common)
     rg = sub.add_parser("register", parents=[common],
                         help="register evaluated artifacts in the MLflow model registry (default: SQLite file "
                              "registry/mlflow.db; MLFLOW_TRACKING_URI for a server); several (a sweep, a "
@@ -315,11 +308,7 @@ def _command(args) -> int:
     if args.cmd == "eval":
         return _eval_command(args)
     if args.cmd == "compare":
-        from .compare import run_comparison
-
-        doc, code = run_comparison(args.recipes, Path(args.out), args.force, not args.no_eval, args.name)
-        print(Path(args.out) / f"compare-{doc['name']}.md")
-        return code
+        return compare_cli.command(args)
     if args.cmd == "register":
         return _register_command(args)
     if args.cmd == "registry":
