@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import yaml
@@ -36,9 +37,39 @@ from transformers import AutoModelForCausalLM
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.build_checkpoint import copy_tokenizer, shaped_config  # noqa: E402
-from bench.process_ab import check_tree, commit, fail, timed  # noqa: E402
 
 SHARDS = 4
+
+
+def fail(message: str) -> NoReturn:
+    """A one-line `error:` on stderr and exit 2, as the command line answers a user's mistake."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_tree(tree: Path) -> None:
+    """Refuse a directory that is no tree of this repository, saying how to make one."""
+    if not (tree / "pipeline" / "__main__.py").is_file():
+        fail(f"--against {tree} holds no pipeline/__main__.py; give a tree of this repository "
+             f"(git worktree add --detach DIR REV)")
+
+
+def timed(tree: Path, args: list[str], label: str) -> tuple[float, str]:
+    """`python -m pipeline ARGS` in a fresh process with `tree` as the code -> (wall seconds, its output)."""
+    # the tree first on the path, anything already there (e.g. wheels unpacked on a GPU host) after it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (str(tree), os.environ.get("PYTHONPATH")) if x)}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "pipeline", *args], env=env, cwd=tree, capture_output=True, text=True)
+    wall = round(time.perf_counter() - t0, 2)
+    if p.returncode != 0:
+        fail(f"{label} exited {p.returncode}: {(p.stderr or p.stdout)[-1500:]}")
+    return wall, p.stdout + p.stderr
+
+
+def commit(tree: Path) -> str | None:
+    out = subprocess.run(["git", "log", "-1", "--format=%h"], cwd=tree, capture_output=True, text=True)
+    return out.stdout.strip() or None
 
 
 def headers_only(config_dir: Path, out: Path, tiny: bool = False) -> dict:

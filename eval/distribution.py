@@ -10,10 +10,8 @@ Merging outcomes never raises a KL (log-sum inequality), so the figure is a lowe
 KL, short by exactly r · KL(P|tail || Q|tail), the divergence of the two distributions restricted to the tail.
 Each token's shortfall is at most r · max(0, log(min(1, p_k / r)) + log Q_tail - log min_v Q(v)) (every tail
 token has P(v) <= p_k, the k-th largest reference probability): `gap_bound`, reported as its mean beside the
-mean tail mass. The bound is loose and the shortfall real: on SmolLM2-135M (RTN g64, 3 windows of 512) the
-reference's tail held 16 % of the mass at k = 64, the figure was 0.312 nats against a full-vocabulary KL of
-0.396 (79 % of it), and the mean gap bound 4.2 nats (bench/kl_topk_check.py,
-bench/results/kl-topk-vs-full-vocabulary-smollm2-cpu-2026-12-02.json). Reports, cards and gates therefore call it
+mean tail mass. The bound is loose and the shortfall real (SmolLM2-135M at k = 64: docs/BENCHMARKS.md, "Figures
+behind the code's comments"). Reports, cards and gates therefore call it
 a lower bound; gates compare artifacts of one model under one k, where the figure ranks them.
 """
 

@@ -301,8 +301,9 @@ def int4_kernel_missing() -> str | None:
     """Why vLLM on this host cannot run a 4-bit linear, or None. The CPU build's AVX2 library (processors
     without AVX-512) has no `cpu_gemm_wna16`, so 4-bit models load and then fail on their first request.
 
-    The answer comes from a child process that imports vLLM's kernels (4.8 s on the 2-core box, in every eval's
-    first seconds), so it is kept in `$QUANTIZE_CACHE_DIR/vllm-int4/` under what decides it (`_probe_key`): the
+    The answer comes from a child process that imports vLLM's kernels (seconds, in every eval's first seconds:
+    docs/BENCHMARKS.md, "The 4-bit kernel probe's answer kept on disk"), so it is kept in
+    `$QUANTIZE_CACHE_DIR/vllm-int4/` under what decides it (`_probe_key`): the
     installed vLLM and torch, the interpreter and the processor's feature flags."""
     if cuda_build():
         return None

@@ -40,8 +40,8 @@ def run() -> NoReturn:
 def exit_now(code: int | None) -> NoReturn:
     """End the process with `code` the way the interpreter's own exit begins (other threads finished and joined,
     exit handlers run: logging's, filelock's, multiprocessing's, ...; output flushed), then skip the rest: tearing
-    down each of the thousands of modules a command imports (torch, transformers) writes nothing and took 0.9 s of
-    every command on the 2-core CPU box (docs/BENCHMARKS.md, "A process's fixed costs"). Every file this
+    down each of the thousands of modules a command imports (torch, transformers) writes nothing and costs
+    every command close to a second (docs/BENCHMARKS.md, "A process's fixed costs"). Every file this
     tool writes is closed, and an artifact sealed, before its command returns. Under a profiler, tracer or
     debugger (`python -m cProfile -m pipeline ...`, coverage), which write their results once the command
     returns, and where this Python lacks either step's function, the interpreter exits as usual."""

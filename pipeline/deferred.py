@@ -4,9 +4,9 @@ transformers' configuration and model classes import its generation code and its
 import an optional library at the top whenever it is installed (lm-eval and MLflow install both here), for features
 no command of this tool calls:
 - assisted decoding (`transformers.generation.candidate_generator`) imports `sklearn.metrics.roc_curve`:
-  scikit-learn, SciPy's statistics and pandas, 1.1-1.3 s on the 2-core CPU box and 1.9-2.6 s on the H200 host;
+  scikit-learn, SciPy's statistics and pandas, over a second of each process;
 - the detection models' losses (`transformers.loss.loss_for_object_detection`, `loss_rt_detr`, ... six modules)
-  import `scipy.optimize.linear_sum_assignment`: SciPy's optimize package, about 0.3 s on the 2-core box.
+  import `scipy.optimize.linear_sum_assignment`: SciPy's optimize package.
 Every process that reads a config paid for both, most of a pre-flight (docs/BENCHMARKS.md, "Pre-flight on a
 7B-shaped directory").
 

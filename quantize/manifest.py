@@ -77,8 +77,7 @@ class Sealer:
     final, so that a shard's hashing and write-back run while the rest is written; `files()` seals the rest and
     waits. A file's hash and its fsync are separate tasks: the kernel starts writing a few GB back only when asked
     (far below its dirty-page thresholds on a large host), so the fsync is issued at once and the disk works while
-    the hash is computed (7B artifact, H200 host: four ~1.4 GB shards, ~1.2 s of hashing each, ~2.5 s of
-    write-back in all)."""
+    the hash is computed."""
 
     def __init__(self, root: Path):
         self.root = Path(root)

@@ -70,3 +70,23 @@ def test_the_stage_parts_line_is_read_back(caplog):
     assert list(t.parts["preflight"]) == ["config", "eval inputs"]
     assert parts(caplog.text) == {k: round(v, 1) for k, v in t.parts["preflight"].items()}
     assert parts("stage preflight: done in 3.4 s\n") == {}
+
+
+def test_against_a_directory_that_is_no_tree_is_one_line_and_exit_2(tmp_path):
+    """--against DIR with no pipeline/__main__.py is refused before any checkpoint is built."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "preflight_time.py"), "--against", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and p.stderr.startswith("error: ") and "holds no pipeline/__main__.py" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+def test_a_tree_is_timed_as_a_fresh_process():
+    """timed() runs `python -m pipeline ARGS` with the tree as its code and gives its wall seconds and output."""
+    from bench.preflight_time import commit, timed
+
+    wall, log = timed(ROOT, ["list"], "list")
+    assert wall > 0 and "smollm2-awq-g64" in log
+    assert commit(ROOT)

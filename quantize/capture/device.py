@@ -34,15 +34,14 @@ def clock(device: torch.device) -> float:
 
 
 # The allocator's cached blocks are kept from layer to layer (every layer asks for the same block sizes; releasing
-# them after each layer was slower on an H200, 7B shape: AWQ 0.874 vs 0.858 s per layer, with a higher peak
-# reserved). A guard releases them when more than CACHE_SLACK_SHARE of the device's memory sits reserved but unused
-# at a layer's end (a pool per CUDA stream once held 138.6 GiB reserved for 16.3 GiB allocated).
+# them after each layer was slower, with a higher peak reserved: docs/BENCHMARKS.md, "GPU path settings"). A guard
+# releases them when more than CACHE_SLACK_SHARE of the device's memory sits reserved but unused at a layer's end
+# (a pool per CUDA stream can hold many times the allocated memory reserved).
 CACHE_SLACK_SHARE = 0.10
 
 
 # The CUDA allocator's expandable segments (one growing mapping per stream, not fixed-size blocks that fragment):
-# AWQ on the 7B shape reserved 24.52 GiB with the default allocator and 20.86 with these, for the same 17.1 GiB
-# allocated (llm-compressor: 22.26), at 27.52 vs 28.11 s (H200, docs/BENCHMARKS.md). Set for this
+# a lower peak reserved for the same allocated memory and the same artifacts (docs/BENCHMARKS.md). Set for this
 # process only, at run time: the environment variable would reach the vLLM the eval starts.
 CUDA_ALLOCATOR = "expandable_segments:True"
 ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
@@ -110,11 +109,10 @@ class Staging:
     """One host buffer, page-locked on CUDA, that a layer's CPU tensors are copied into before their upload.
 
     A copy from pageable memory goes through the driver's own staging, and the main stream's reads back to the host
-    (the weight check, the FP forward's finiteness check, the jobs' own) waited behind the next layer's 0.5 GB
-    upload (7B shape) that crossed that way on the side stream: 65-97 ms a layer. From a page-locked buffer the
-    upload is a DMA the main stream's reads do not queue behind (H100, 7B shape, runs alternating with pageable
-    uploads, weights identical: a comparison's upload part 2.2-2.6 -> 0.3-0.9 s, AWQ alone's FP forward 4.0-5.2 ->
-    2.6-2.9 s; docs/BENCHMARKS.md, "Layer uploads through a page-locked buffer"). The buffer is reused from layer to layer (it grows to the largest layer) and is
+    (the weight check, the FP forward's finiteness check, the jobs' own) wait behind the next layer's upload that
+    crosses that way on the side stream. From a page-locked buffer the upload is a DMA the main stream's reads do
+    not queue behind, with the same weights (docs/BENCHMARKS.md, "Layer uploads through a page-locked buffer").
+    The buffer is reused from layer to layer (it grows to the largest layer) and is
     free again once the stream the uploads were queued on has finished them: the caller synchronises it.
     """
 
@@ -173,8 +171,8 @@ class Staging:
 
 class Uploader:
     """Device copies of decoder layers, the next one made on a side CUDA stream by a worker thread while the
-    current layer is worked on (profile, H200, 7B shape: ~0.1 s per layer of host-to-device copies that the
-    GPU otherwise waits for). On other devices the copy is made when asked for. Once a copy is made, the layer's
+    current layer is worked on, so that the GPU does not wait for the host-to-device copies. On other devices the
+    copy is made when asked for. Once a copy is made, the layer's
     memory-mapped checkpoint pages are unmapped from this process (`hostpages`): they are not read again but for
     the tensors export writes unconverted, which fault back in from the file."""
 
@@ -228,8 +226,8 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 def side_stream(device: torch.device) -> "torch.cuda.Stream | None":
     """One side stream per CUDA device for the whole process (None off CUDA). The caching allocator keeps a pool
-    per stream: a new stream per layer left each layer's freed factorisation blocks unusable by the next (H200,
-    7B shape, one pass: 138.6 GiB reserved for 16.3 GiB allocated)."""
+    per stream: a new stream per layer left each layer's freed factorisation blocks unusable by the next, and the
+    reserved memory grew far past the allocated (docs/BENCHMARKS.md)."""
     if device.type != "cuda":
         return None
     if device not in _SIDE_STREAMS:
@@ -306,9 +304,9 @@ def awq_search_dtype(setting: str, device: torch.device, compute_dtype: torch.dt
     """The dtype AWQ's scale search runs its inspected blocks' forwards in (under torch.autocast), or None for the
     compute dtype itself. setting (`advanced.awq.search_dtype`): compute -> None; bfloat16 -> bfloat16 unless the
     compute dtype is bfloat16 already; auto -> bfloat16 where the compute dtype is float32 on a CPU with AMX tiles,
-    whose bf16 matmuls ran 6.3x faster than its float32 ones (2 cores, SmolLM2's MLP shapes on 8,192 tokens:
-    bench/results/cpu-awq-bf16-search-2026-12-04.json), and
-    the compute dtype elsewhere (no CPU without AMX has been measured to gain; a GPU run computes in 16 bits as it is).
+    whose bf16 matmuls run several times faster than its float32 ones (docs/BENCHMARKS.md, "The scale search's
+    block forwards in bfloat16 on a CPU with AMX"), and the compute dtype elsewhere (no CPU without AMX has been
+    measured to gain; a GPU run computes in 16 bits as it is).
     Only the loss that ranks the candidate ratios moves; the statistics, clip search and rounding stay as they are.
     """
     if setting == "compute":

@@ -1,8 +1,8 @@
 """Triton's kernels compiled by a side process while the run's pre-flight, calibration and load go on.
 
 On a host whose Triton cache is empty (a fresh container), a CUDA run's first layer compiles every kernel its
-method launches: on an H200 AWQ's candidate and clip-search kernels cost the first decoder layer 5-7 s, GPTQ's
-sweep about 0.5 s (docs/BENCHMARKS.md). What Triton compiles depends only on the launch's dtypes, constants and
+method launches: AWQ's candidate and clip-search kernels cost the first decoder layer seconds, GPTQ's sweep
+less (docs/BENCHMARKS.md). What Triton compiles depends only on the launch's dtypes, constants and
 whether each integer argument is 1 or a multiple of 16, and the recipe and the model's config.json fix all of
 those before any weight is read. So a CUDA run starts a process (`python -m quantize.capture.warmup`) that
 launches each kernel its recipes will use once, on a few rows with the real linears' column counts and dtypes,

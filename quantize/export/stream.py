@@ -5,8 +5,9 @@ each decoder layer once its job has finished it: its converted linears packed in
 tensors it keeps 16-bit (norms, biases, skipped linears, as the method left them). On CUDA the pass's thread
 packs each layer on its own stream and queues the copy to pinned host memory; a worker thread takes it from
 there, and the shards go to disk, to their hashes and to fsync as soon as they are full, so at export only the
-last shard is left (H200, 7B shape: packing, writing and sealing the weights took 3.5-5.5 s of export with the GPU
-idle). On a CPU the same groups are written in the same order at export, since a worker would take cores from
+last shard is left instead of every shard's packing, writing and sealing with the GPU idle (docs/BENCHMARKS.md,
+"Weights written while the pass runs"). On a CPU the same groups are written in the same order at export, since a
+worker would take cores from
 the pass: the bytes are the same either way, and the shard boundaries follow the order of the groups
 (`write.ShardWriter`).
 """

@@ -8,9 +8,10 @@ import torch
 class _ToHost:
     """Device tensors to ordinary host memory through one reused pinned buffer.
 
-    A plain `.cpu()` into pageable memory ran at 1.1 GB/s on the H200 host (3 GiB in 2.6 s), a copy into pinned
-    memory at ~50 GB/s, and pinning a 3 GiB destination took 1.7 s: so each tensor goes to the pinned buffer a
-    chunk at a time, and from there into its host tensor by torch's multi-threaded host copy."""
+    A plain `.cpu()` into pageable memory is far slower than a copy into pinned memory, and pinning a
+    destination as large as the tensors is nearly as slow again: so each tensor goes to the pinned buffer a
+    chunk at a time, and from there into its host tensor by torch's multi-threaded host copy (figures:
+    docs/BENCHMARKS.md)."""
 
     CHUNK = 256 << 20  # bytes
 

@@ -35,19 +35,18 @@ class AwqOptions(Strict):
     # those tokens, then only α = 0 and the screen_keep ratios least there on the rest; null = every ratio on
     # every token. The pick is the exhaustive search's wherever that is among those kept: with 7 (of 20) it was
     # in every block search of every shipped AWQ recipe (their weights are the exhaustive search's; with 6, one
-    # search of smollm2-awq-g32 picked another ratio: docs/BENCHMARKS.md), for ~0.7 of the block forwards
+    # did not), for fewer block forwards (docs/BENCHMARKS.md, "AWQ's block searches screened on half their tokens")
     screen_keep: int | None = Field(7, gt=0)
     # the group size the scale search fake-quantizes its candidates with (null: q_group_size). Recipes that set
     # the same value and differ only in q_group_size (or in settings the search does not read: the clip,
     # rounding, format) run one scale search between them in a comparison (`make compare`); each variant's
-    # weights are still those of its run alone. Not a default: another group size's search helped SmolLM2 g32
-    # (searched at 64: -0.19 ppl) and hurt SmolLM2 g64 (at 32: +0.25) and Gemma 3 270M g64 (at 128: +1.83;
-    # at 32: +1.10) (docs/BENCHMARKS.md, "Three AWQ group sizes on one scale search")
+    # weights are still those of its run alone. Not a default: another group size's search can help or hurt
+    # perplexity, by model and group size (docs/BENCHMARKS.md, "Three AWQ group sizes on one scale search")
     search_group_size: Literal[32, 64, 128] | None = None
     # clip candidates: "symmetric" = AutoAWQ's ±max|w| shrink; "per_side" adds shrinking max and min on their
     # own (zero-point grids; a symmetric grid depends on max|w| alone, so there both are the same search).
-    # per_side + refit_iters 2: SmolLM2 g64 24.20 -> 23.92 ppl (16 windows) for ~2.3x the clip search's time,
-    # a few % of the AWQ stage on the CPU (docs/BENCHMARKS.md, 2026-12-01)
+    # per_side + refit_iters 2: lower perplexity for a longer clip search, a small share of the AWQ stage
+    # (docs/BENCHMARKS.md, "Quality: AWQ on SmolLM2-135M and Gemma 3 270M")
     clip_search: Literal["symmetric", "per_side"] = "per_side"
     # least-squares refits of each group's scale to its codes on the group output error (0 = off; a group
     # keeps a refit scale only where it lowers that error)

@@ -1,8 +1,9 @@
 """AWQ's clip search (`awq_search.search_clip`) as one Triton kernel: every candidate of every group in one pass.
 
 The torch search runs about a dozen full-size elementwise passes and a batched matmul per candidate (30 for the
-per-side zero-point search) over the grouped weights, so it is bound by memory traffic (H200, 7B shape: 0.30 s of
-each decoder layer's 1.07 s). Here each program owns one group's tile of output rows: it reads the weights and the
+per-side zero-point search) over the grouped weights, so it is bound by memory traffic (a large share of each
+decoder layer's time on a GPU: docs/BENCHMARKS.md). Here each program owns one group's tile of output rows: it reads
+the weights and the
 group's Gram matrix once and keeps them in registers while it walks the candidates in the torch search's order,
 keeping per row the first candidate of least error (`err < best`, as there).
 

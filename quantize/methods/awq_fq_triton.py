@@ -3,8 +3,8 @@
 Each candidate ratio of the scale search fake-quantizes every linear of its group at the candidate's scales. In
 torch that is about a dozen full-size passes over the weights in float32 (the cast, the product with s, the
 group minimum and maximum, the division, rounding, zero point, clamp, the way back, the division by s, the cast
-back): on an H200 with the 7B shape they took as much GPU time as the block forwards that score the candidates
-(bench/results/gpu-kernel-profile-h200-2026-12-04.json). Here each program owns one group's tile of output rows,
+back): on a GPU they cost as much time as the block forwards that score the candidates (docs/BENCHMARKS.md,
+"Where the GPU time goes"). Here each program owns one group's tile of output rows,
 reads the weights once and writes the candidate once.
 
 The values are the torch function's bit for bit: the same float32 operations in the same order, IEEE division

@@ -77,8 +77,8 @@ class HessianAccumulator:
 
     fp16/bf16 inputs on CUDA: one half-precision GEMM per batch with a float32 result (`torch.mm(...,
     out_dtype=float32)`): the products of half-precision values are exact in float32 and the sums run in
-    float32, so this is the float32 product at the half-precision tensor-core rate (H200, 65,536 x 18,944
-    bf16 inputs: 0.08 s, against 0.19 s for TF32 on a float32 copy). The raw sum is kept and scaled once.
+    float32, so this is the float32 product at the half-precision tensor-core rate, faster than TF32 on a
+    float32 copy (docs/BENCHMARKS.md). The raw sum is kept and scaled once.
 
     Inputs at least `symmetric_min` wide (down_proj's): XᵀX is symmetric, so only the blocks on and above the
     diagonal (`symmetric_block` square) are computed, ~0.6 of the GEMM work, and mirrored when H is read.
@@ -188,8 +188,8 @@ def _feedback_factor(H: torch.Tensor, damp: float, textbook: bool, first: tuple 
     textbook=False (act-order, static groups): A = T / diag(T) (column k divided by T[k, k]), t = diag(T),
     and d_i = w⁰_i − q_i is the *final* rounding error of column i (w⁰: the weights before any update).
     Since GPTQ's upper Cholesky factor of H⁻¹ is U = T⁻¹, this is GPTQ's update summed differently (LDLQ,
-    Chee et al. 2023, who show it equals GPTQ), and it needs no triangular inverse: on an H200 that inverse
-    cost 0.17 s of the 0.24 s spent on down_proj's 18944² factor.
+    Chee et al. 2023, who show it equals GPTQ), and it needs no triangular inverse, which costs more than the
+    Cholesky factorisation itself on down_proj's 18944² H (docs/BENCHMARKS.md).
 
     textbook=True (groups whose parameters come from partly updated columns): the intermediate column values
     differ between the two sums, so this keeps GPTQ's own: U = T⁻¹, A = −U / diag(U) (row i divided by
@@ -289,8 +289,8 @@ def gptq_quantize_many(problems: list[tuple[torch.Tensor, torch.Tensor]], spec: 
     """Several independent (W, H) problems (e.g. every linear of a layer whose Hessians came from one
     forward), with optional grids (see `gptq_quantize`) -> their results, each exactly what `gptq_quantize` gives.
 
-    side: a CUDA stream (`device.side_stream`): the widest problem's factorisation (down_proj's 18944² Cholesky:
-    0.09 s on an H200) is queued on it first and runs while the others are factorised and swept on the main
+    side: a CUDA stream (`device.side_stream`): the widest problem's factorisation (down_proj's 18944² Cholesky)
+    is queued on it first and runs while the others are factorised and swept on the main
     stream. sweep: the column sweep (`device.gptq_sweep`; default the torch one).
     """
     grids = grids or [None] * len(problems)
@@ -336,8 +336,8 @@ def lazy_update(W: torch.Tensor, i2: int, D1: torch.Tensor, A_rows: torch.Tensor
     W[:, i2:] once: no product temporary and no separate add).
 
     update float32: a float32 GEMM. update tf32 (float32 weights only): the operands are rounded to TF32 (10-bit
-    mantissa) and products summed in float32, on CUDA by the tensor cores (≈ 8x the float32 rate on an H200)
-    and elsewhere emulated by rounding the operands, so the CPU measures the same approximation.
+    mantissa) and products summed in float32, on CUDA by the tensor cores (several times the float32
+    rate) and elsewhere emulated by rounding the operands, so the CPU measures the same approximation.
     """
     rest, A = W[:, i2:], A_rows[:, i2:]
     if spec.update == "float32" or W.dtype != torch.float32:

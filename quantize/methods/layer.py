@@ -68,9 +68,9 @@ def _result_home(t: torch.Tensor, results: dict[str, QuantResult]) -> torch.devi
     """Where a new result tensor is kept: on its CUDA device while the results there stay under
     RESULTS_DEVICE_SHARE of the device's memory, else on the CPU.
 
-    Profile (H200, 7B shape): copying each layer's codes to pageable host memory ran at ~1 GB/s and took
-    ~0.26 s per layer with the GPU idle; export packs on the device anyway, so codes kept there never make
-    the round trip. Large models spill to the CPU once the share is used up.
+    Copying each layer's codes to pageable host memory is slow and leaves the GPU idle; export packs on the
+    device anyway, so codes kept there never make the round trip (profile: docs/BENCHMARKS.md). Large models spill
+    to the CPU once the share is used up.
     """
     if t.device.type != "cuda":
         return torch.device("cpu")

@@ -18,9 +18,9 @@ def from_hessian(w: torch.Tensor, q: torch.Tensor, H: torch.Tensor, den: torch.T
     """w, q: [out, in], H: [in, in] (2 XᵀX / n) -> e (0-dim float32 tensor, on w's device). den: this w's
     `norm_from_hessian` where already computed.
 
-    On CUDA the two products [out, in] @ [in, in] run in bfloat16 on tensor cores, the sums in float32: on an H100
-    those of all of a 7B layer's linears take 17.6 ms together (docs/BENCHMARKS.md, "Where a 7B GPTQ layer's time
-    goes"); bfloat16's rounding is far below the differences it shows between linears. Elsewhere the products run in float32."""
+    On CUDA the two products [out, in] @ [in, in] run in bfloat16 on tensor cores, the sums in float32, a small
+    share of a layer's time (docs/BENCHMARKS.md, "Where a 7B GPTQ layer's time goes"); bfloat16's rounding is far
+    below the differences it shows between linears. Elsewhere the products run in float32."""
     dt = _product_dtype(w)
     d = w.float() - q.float()  # [out, in]
     num = ((d.to(dt) @ H.to(dt)).float() * d).sum()

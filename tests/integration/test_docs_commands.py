@@ -87,3 +87,22 @@ def test_every_recipe_the_docs_name_exists():
                 if not placeholder and name not in shipped:
                     missing.append(f"{path.name}: {line}")
     assert missing == []
+
+
+CODE_PATH = re.compile(r"(?<![\w/.])((?:quantize|eval|pipeline|bench|tests|recipes|docs)/[\w/.-]*\w\.(?:py|sh|md|yaml))")
+CODE_DOCS = ["README.md", "docs/METHODS.md", "docs/ARCHITECTURES.md", "docs/YOUR_MODEL.md"]
+
+
+def test_every_file_the_guides_name_exists():
+    """README and the guides to methods, architectures and your own model name only files the tree holds."""
+    missing = [f"{doc}: {path}" for doc in CODE_DOCS for path in CODE_PATH.findall((ROOT / doc).read_text())
+               if not (ROOT / path).exists() and not path.startswith("mine/")]
+    assert missing == []
+
+
+def test_the_methods_tree_lists_every_module_of_the_package():
+    """docs/METHODS.md's file tree of quantize/methods/ names each of its modules, and no other."""
+    text = (ROOT / "docs" / "METHODS.md").read_text()
+    tree = next(b for b in BLOCK.findall(text) if b.startswith("quantize/methods/"))
+    listed = {w for line in tree.splitlines()[1:] for w in line.split() if w.endswith(".py")}
+    assert listed == {p.name for p in (ROOT / "quantize" / "methods").glob("*.py")}
