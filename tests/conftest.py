@@ -145,23 +145,28 @@ def tiny_eval_artifact(tiny_llama, tmp_path_factory) -> tuple[Path, Path]:
     return runner.run(recipe, out_root=tmp / "a"), recipe
 
 
-@pytest.fixture(scope="session")
-def registrable_artifact(tiny_llama, tmp_path_factory) -> Path:
-    """A tiny RTN artifact, perplexity evaluated, with a passing vLLM smoke recorded through write_report: one the
-    registry accepts without starting vLLM (its gate on vLLM is tested by the tests marked vllm)."""
+def registrable(tmp: Path, model_dir: Path, name: str, windows: int = 1) -> Path:
+    """A tiny RTN artifact, perplexity evaluated, with a passing vLLM smoke recorded through write_report (the
+    function eval uses): one the registry accepts without starting vLLM (its gate on vLLM is tested by the tests
+    marked vllm)."""
     from pipeline.stages import evaluate, write_report
     from quantize import runner
     from quantize.recipe import EvalOptions
     from quantize.records import Smoke
 
-    tmp = tmp_path_factory.mktemp("registrable")
-    out = runner.run(tiny_recipe(tmp, tiny_llama, name="writer", method="rtn"), out_root=tmp / "a")
-    eopts = EvalOptions.model_validate({"perplexity": {"seq_len": 64, "max_windows": 1}, "vllm": {"enabled": False}})
+    out = runner.run(tiny_recipe(tmp, model_dir, name=name, method="rtn"), out_root=tmp / "a")
+    eopts = EvalOptions.model_validate({"perplexity": {"seq_len": 64, "max_windows": windows},
+                                        "vllm": {"enabled": False}})
     report = evaluate(out, None, eopts)
     report.vllm_smoke = Smoke(passed=True, checks={"loaded": False}, errors=[], method="awq", token_agreement=1.0)
     report.passed = True
     write_report(out, report)
     return out
+
+
+@pytest.fixture(scope="session")
+def registrable_artifact(tiny_llama, tmp_path_factory) -> Path:
+    return registrable(tmp_path_factory.mktemp("registrable"), tiny_llama, "writer")
 
 
 KEPT_16BIT = "model.layers.0.mlp.down_proj"  # a linear the recipe keeps 16-bit, named as a user names it

@@ -10,28 +10,14 @@ import torch
 from safetensors.torch import save_file
 
 from quantize.manifest import ArtifactError, verify as verify_manifest
-from tests.conftest import eval_main
-from pipeline.stages import evaluate, write_report
+from tests.conftest import eval_main, registrable
 from pipeline import registry
-from quantize import runner
 from pipeline.cli import main as cli_main
-from quantize.recipe import EvalOptions
-from quantize.records import Smoke
-from tests.conftest import tiny_recipe
 
 
 @pytest.fixture(scope="module")
 def evaluated(tiny_llama, tmp_path_factory):
-    """A tiny RTN artifact evaluated (perplexity) with a passing vLLM smoke result recorded through write_report,
-    the function eval uses (vLLM itself is exercised by the tests marked vllm)."""
-    tmp = tmp_path_factory.mktemp("closed")
-    out = runner.run(tiny_recipe(tmp, tiny_llama, name="closed", method="rtn"), out_root=tmp / "a")
-    eopts = EvalOptions.model_validate({"perplexity": {"seq_len": 64, "max_windows": 2}, "vllm": {"enabled": False}})
-    report = evaluate(out, None, eopts)
-    report.vllm_smoke = Smoke(passed=True, checks={"loaded": False}, errors=[], method="awq", token_agreement=1.0)
-    report.passed = True
-    write_report(out, report)
-    return out
+    return registrable(tmp_path_factory.mktemp("closed"), tiny_llama, "closed", windows=2)
 
 
 @pytest.fixture
