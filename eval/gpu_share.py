@@ -14,6 +14,10 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+import torch
+
+from .vllm_run import GPU_MEMORY_FRACTION
+
 log = logging.getLogger(__name__)
 
 
@@ -85,15 +89,11 @@ def starts_vllm(eopts) -> bool:
 def warn_before_eval(eopts) -> str | None:
     """At a run's start: the busy message (also logged) when its eval will start vLLM on a GPU another process
     holds, else None. GPU 0 of those visible: the one a vLLM child starts on."""
-    from .vllm_run import GPU_MEMORY_FRACTION
-
     return warn_if_busy(GPU_MEMORY_FRACTION) if starts_vllm(eopts) else None
 
 
 def warn_if_busy(share: float, index: int = 0) -> str | None:
     """On a CUDA host: log (warning) and return the busy message for GPU `index`, else None."""
-    import torch
-
     if not torch.cuda.is_available():
         return None
     free, total = torch.cuda.mem_get_info(index)

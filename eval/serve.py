@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from quantize import formats
 from quantize.errors import UserError, run_main
 from quantize.export import serve_config
 from quantize.files import atomic_write_text
@@ -271,8 +272,6 @@ def main(argv: list[str] | None = None) -> int:
 def _refuse_without_int4_kernel(model_dir: Path) -> None:
     """A 4-bit model where vLLM has no 4-bit kernel is refused before the server starts: it would load, print
     its URL and then die on the first request. A 16-bit model serves on any CPU, so only 4-bit is asked about."""
-    from quantize import formats
-
     qcfg = json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
     fmt = formats.by_quant_method(qcfg.get("quant_method")) if isinstance(qcfg, dict) else None
     try:

@@ -4,9 +4,9 @@ fails on its package metadata): the same parser and main, from vllm/benchmarks/s
     python -m eval.vllm_bench --base-url http://127.0.0.1:8000 --model DIR --served-model-name NAME ...
 """
 
-if __name__ == "__main__":
-    from eval.child import watch_parent
+from eval.child import watch_parent
 
+if __name__ == "__main__":
     watch_parent()  # a benchmark left running would keep loading a server that is being stopped
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser

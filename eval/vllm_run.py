@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -173,8 +174,6 @@ def shut_down(*llms, wait_s: float = 10) -> None:
     interpreter: a thread then forced to unwind through libzmq's C++ aborts the process ("terminate called
     without an active exception", SIGABRT) after the result was written. `engine_core.shutdown()` is vLLM's
     own: it stops the engine processes and sends the output thread its shutdown message."""
-    import threading
-
     for llm in llms:
         llm.llm_engine.engine_core.shutdown()
     deadline = time.monotonic() + wait_s

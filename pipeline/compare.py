@@ -18,6 +18,7 @@ from quantize.export.modelcard import protocol_sentence
 from quantize.paths import child
 from quantize.recipe import load_variants
 from quantize.records import Manifest, Report
+from quantize.lock import output_lock
 
 from eval.readable import machine, seconds_text
 
@@ -309,8 +310,6 @@ def _external_plan(variants: list, dirs: list[Path]) -> tuple[str | None, object
 def _external_report(d: Path, base: str, eopts, do_eval: bool, cache: dict, hashes: BaseHashes) -> Report | None:
     """Another tool's directory scored as `eval --artifact DIR --base MODEL` scores it, its report written into
     it; without an eval, a report already there that scored it alike, else None."""
-    from quantize.lock import output_lock
-
     if do_eval and eopts.enabled:
         log.info("eval %s (another tool's directory, against %s)", d, base)
         with output_lock(d):  # as the eval command: no run replaces it while it is scored

@@ -11,6 +11,10 @@ import logging
 import os
 from dataclasses import dataclass
 
+from eval import smoke
+from quantize.export import cpu_serve
+from quantize.preflight import checks
+
 log = logging.getLogger(__name__)
 
 
@@ -61,19 +65,14 @@ def cpu_line(cpu: dict | None, cores: int, smoke_skipped: str | None, measured: 
 
 def announce(recipe, evaluates: bool) -> None:
     """Log `cpu_line` for a run of `recipe` when it computes on the CPU (one line; call it once per run)."""
-    from quantize.export.cpu_serve import facts
-    from quantize.preflight.checks import pick_device
-
-    if pick_device(recipe).type != "cpu":
+    if checks.pick_device(recipe).type != "cpu":
         return
-    cpu = facts()
+    cpu = cpu_serve.facts()
     if cpu is None or cpu["avx512"]:
         return  # the vLLM probe below takes seconds: asked only where the answer is said
     skipped = None
     if evaluates and recipe.eval.vllm.enabled:
-        from eval.smoke import vllm_unavailable
-
-        skipped = vllm_unavailable()
+        skipped = smoke.vllm_unavailable()
     line = cpu_line(cpu, _cores(), skipped)
     if line:
         log.info(line)

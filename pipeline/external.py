@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eval.artifact import quantization_format
 from quantize.manifest import ArtifactError, read_json
+from quantize.source import load as source
 
 # What two models of one architecture must share for one to be the other quantized: any of these that differ
 # means the directory was made from another model, and its KL against our base model would be meaningless
@@ -27,8 +29,6 @@ def _text_config(config: dict) -> dict:
 def base_config(base_spec: str) -> dict:
     """The base model's config.json (resolved as the eval resolves it: a local directory, the hub cache, a GGUF
     converted once)."""
-    from quantize.source import load as source
-
     return read_json(source.resolve(base_spec).path / "config.json")
 
 
@@ -41,8 +41,6 @@ def mismatch(base: dict, other: dict) -> list[str]:
 def check(dirs: list[Path], base_spec: str) -> None:
     """Each --artifact directory is one the eval can score against `base_spec`: ArtifactError naming the first
     that is not (no config.json, a layout the eval cannot read, or another base model)."""
-    from eval.artifact import quantization_format
-
     base = base_config(base_spec) if dirs else {}
     for d in dirs:
         if not (Path(d) / "config.json").is_file():
@@ -75,8 +73,6 @@ def tool(qcfg: dict) -> str | None:
 def describe(d: Path) -> dict:
     """A directory's quantization as the comparison's columns show it -> {tool, format, w_bit, group_size,
     zero_point} (None where config.json does not say)."""
-    from eval.artifact import quantization_format
-
     fmt, qcfg, bits = quantization_format(d)
     weights = next(iter((qcfg.get("config_groups") or {}).values()), {}).get("weights") or {}  # compressed-tensors
     group = qcfg.get("group_size", qcfg.get("q_group_size", weights.get("group_size")))

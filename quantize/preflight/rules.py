@@ -20,6 +20,7 @@ from functools import lru_cache
 from packaging.version import Version
 
 from .. import formats
+from .installed import vllm_version
 
 MARLIN, FALLBACK, REFUSED = formats.MARLIN, formats.FALLBACK, formats.REFUSED
 
@@ -58,9 +59,6 @@ def release_for(installed: str | None) -> Release:
 @lru_cache(maxsize=1)
 def installed_release() -> Release:
     """The release describing the installed vLLM (read from package metadata: no import)."""
-    from .deploy import vllm_version  # here: deploy imports this module
-
-
     return release_for(vllm_version())
 
 

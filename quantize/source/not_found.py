@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..recipe.load import directory_tried
+
 
 def not_found(spec: str, e: Exception, offline: bool) -> str:
     """The message for `spec`, found neither as a directory nor on the hub (`e`: the hub library's error). The
     directory is named as it was resolved: beside the recipe that gave it, else in the working directory.
     Offline, the hub library's text adds nothing; online, its reason comes last."""
-    from ..recipe.load import directory_tried
-
     where = directory_tried(spec)
     tried = (f"there is no directory {where} (a relative `model` is looked for beside the recipe)" if where
              else f"there is no directory {Path(spec).absolute()} (resolved against the working directory)")

@@ -27,7 +27,9 @@ DEFERS = {          "quantize.formats": ("quantize.formats.", "quantize.methods.
           # pre-flight's refusal of serve.targets reads config.json through these before any torch import
           "quantize.source.arch": ("torch",), "quantize.source.load": ("torch",),
           "eval.lmeval": ("",),  # lm-eval (an optional extra) and its task files, only when a recipe asks for tasks
-          "pipeline.cli": ("quantize.", "pipeline.", "torch", "subprocess"),
+          "pipeline.cli": ("quantize.", "pipeline.", "eval.gpu_share", "torch", "subprocess"),
+          # compare's arguments are parsed on every command line (--help too); the comparison itself loads torch
+          "pipeline.compare_cli": ("pipeline.compare",),
           # the bytecode cache is prepared before the command line's own imports (pipeline/bytecode.py)
           "pipeline.__main__": ("pipeline.cli",),
           "pipeline.oom": ("torch",)}
