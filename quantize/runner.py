@@ -31,10 +31,11 @@ from .capture.checkpoint import Checkpointer, fingerprint
 from .capture.job import DTYPES, Job, feature_names
 from .export.stream import WeightStream
 from .methods.layer import is_skipped
+from .files import human_bytes
 from .lock import output_lock
 from .paths import check_output_parent, child
 from .preflight.checks import (NO_TARGETS, ROUTER_KEPT, Plan, PreflightError, check_free_disk, check_targets,
-                               cpu_moe_refusal, human_bytes, once_per_layer, pick_device, plan, table_lacks,
+                               cpu_moe_refusal, once_per_layer, pick_device, plan, table_lacks,
                                tied_embeddings)
 from .recipe import Recipe, load_recipe
 from .runlog import RunLog

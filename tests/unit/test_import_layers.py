@@ -39,8 +39,6 @@ NOT_YET = {("quantize.capture.job", "quantize.methods"), ("quantize.capture.job"
            ("quantize.capture.job", "quantize.methods.layer"),
            ("quantize.capture.device", "quantize.methods"), ("quantize.capture.device", "quantize.methods.awq_search"),
            ("quantize.capture.device", "quantize.methods.gptq_sweep"), ("quantize.capture.warmup", "quantize.methods"),
-           ("quantize.capture.checkpoint", "quantize.export.write"),
-           ("quantize.capture.checkpoint", "quantize.preflight.checks"),
            ("quantize.methods.layer", "quantize.formats")}
 
 
