@@ -30,7 +30,7 @@ from .capture.distributed import Dist
 from .capture.checkpoint import Checkpointer, fingerprint
 from .capture.job import DTYPES, Job, feature_names
 from .export.stream import WeightStream
-from .methods.layer import is_skipped
+from .formats import is_skipped
 from .files import human_bytes
 from .lock import output_lock
 from .paths import check_output_parent, child

@@ -17,7 +17,6 @@ from . import awq_search as awq
 from ..source.arch import Arch, get_module, layer_prefix
 from ..capture.distributed import Dist
 from ..source.experts import routed_tokens
-from ..formats import is_skipped  # noqa: F401 - where the passes look for it; torch-free in formats for pre-flight
 from .primitives import dequantize, quantize_for_export
 
 

@@ -86,7 +86,7 @@ def test_unquantized_linears_stay_16bit_in_the_plan():
 
     import transformers
 
-    from quantize.methods.layer import is_skipped
+    from quantize.formats import is_skipped
     from quantize.preflight.checks import plan
     from quantize.recipe import load_recipe
 

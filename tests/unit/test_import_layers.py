@@ -38,8 +38,7 @@ FLOOR = {name: i for i, names in enumerate(FLOORS) for name in names}
 NOT_YET = {("quantize.capture.job", "quantize.methods"), ("quantize.capture.job", "quantize.methods.base"),
            ("quantize.capture.job", "quantize.methods.layer"),
            ("quantize.capture.device", "quantize.methods"), ("quantize.capture.device", "quantize.methods.awq_search"),
-           ("quantize.capture.device", "quantize.methods.gptq_sweep"), ("quantize.capture.warmup", "quantize.methods"),
-           ("quantize.methods.layer", "quantize.formats")}
+           ("quantize.capture.device", "quantize.methods.gptq_sweep"), ("quantize.capture.warmup", "quantize.methods")}
 
 
 def floor(module: str) -> int | None:
