@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from quantize.capture.device import gptq_sweep  # noqa: E402
+from quantize.methods.kernels import gptq_sweep  # noqa: E402
 from quantize.methods import gptq_sweep as gptq, output_error  # noqa: E402
 from quantize.methods.primitives import dequantize  # noqa: E402
 

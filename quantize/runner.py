@@ -17,18 +17,18 @@ from typing import Any
 import torch
 
 from . import calib, methods
-from .methods import kernels
+from .methods import kernels, warmup
+from .methods.job import DTYPES, Job, feature_names
+from .methods.kernels import check_kernels
 from .export import write as export
 from .export.artifact import RunRecord, write_artifact
 from .source import integrity, load as source
 from .source.arch import Arch, UnsupportedArchitecture, arch_for
 from .source.experts import split_experts
 from .capture.loop import run_shared
-from .capture import warmup
-from .capture.device import check_kernels, configure_allocator
+from .capture.device import configure_allocator
 from .capture.distributed import Dist
 from .capture.checkpoint import Checkpointer, fingerprint
-from .capture.job import DTYPES, Job, feature_names
 from .export.stream import WeightStream
 from .formats import is_skipped
 from .files import human_bytes
@@ -266,7 +266,7 @@ def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: b
 
 
 def _warmup_launches(recipes: list[Recipe]) -> tuple[list[dict], str]:
-    """What the side process should compile for a run of these recipes (`capture.warmup`), and on which device:
+    """What the side process should compile for a run of these recipes (`methods.warmup`), and on which device:
     nothing where it cannot help (no CUDA device, no compiling triton, a GPU in an exclusive compute mode) or the
     model's shapes are not readable from its config.json alone (pre-flight then says why, with its own message)."""
     first = recipes[0]

@@ -16,13 +16,13 @@ import torch.nn as nn
 from . import awq_search as awq, gptq_sweep as gptq, output_error
 from ..source.arch import Arch, ScaleGroup, active_scale_groups, layer_prefix
 from ..capture.loop import LayerData
-from ..capture.device import clock as _clock
-from ..capture.device import awq_clip, awq_fake_quant, awq_search_dtype, gptq_sweep, side_stream
+from ..capture.device import clock as _clock, side_stream
 from ..capture.distributed import Dist
 from .primitives import quantize
 from ..runlog import RunLog
 from .base import ERRORS
 from .gptq_layer import gptq_spec
+from .kernels import awq_clip, awq_fake_quant, awq_search_dtype, gptq_sweep
 from .layer import (QuantResult, batches, cost, expert_hidden, feature_of, first_output, local_linears, moe_linears,
                     owned, qspec, read_back, routing, rows_of, screen_split, search_batches, store, store_rows, unit_inputs,
                     units)

@@ -55,7 +55,7 @@ class Method:
         """The Triton kernels this recipe's layer jobs launch on CUDA, in the order a layer first launches them:
         each {module: a `quantize.methods` module with a `warm(launch, rows, cols, dtype, device)`, group: the
         recipe's group size, and the settings that module's `warm` reads}. A side process compiles them while the
-        run starts (`capture.warmup`); [] = none."""
+        run starts (`methods.warmup`); [] = none."""
         return []
 
     def static_act_order(self, recipe) -> bool:
