@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import platform
 import subprocess
 import time
@@ -31,7 +30,7 @@ from .capture.distributed import Dist
 from .capture.checkpoint import Checkpointer, fingerprint
 from .export.stream import WeightStream
 from .formats import is_skipped
-from .files import human_bytes
+from .files import atomic_write_text, human_bytes
 from .lock import output_lock
 from .paths import check_output_parent, child
 from .preflight.checks import (NO_TARGETS, ROUTER_KEPT, Plan, PreflightError, check_free_disk, check_targets,
@@ -380,14 +379,9 @@ def _checkpointer(recipes: list[Recipe], first_out: Path, pf: Checked,
 
 
 def _write_text(path: Path, text: str) -> Path:
-    """Write `text` to `path` through a temporary file renamed into place -> path (never half a file)."""
+    """Write `text` to `path` atomically (`files.atomic_write_text`), making its directory -> path."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_text(path, text)
     return path
 
 
