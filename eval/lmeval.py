@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from quantize.calib import hub_offline
+from quantize.source.load import hub_offline
 
 log = logging.getLogger(__name__)
 

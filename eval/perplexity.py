@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from quantize.calib import hub_offline
+from quantize.source.load import hub_offline
 from quantize.errors import UserError
 from quantize.progress import Progress
 

@@ -21,9 +21,12 @@ from typing import Any, ClassVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer, model_validator
 
-from .methods.base import stats_key
-
 Num = Union[int, float]  # kept as written: an int re-serialised as a float would change the file's bytes
+
+
+def stats_key(method: str) -> str:
+    """The manifest key holding method `method`'s per-layer statistics (readable without the method registered)."""
+    return f"{method}_stats"
 
 
 class Record(BaseModel):

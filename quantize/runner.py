@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import platform
 import subprocess
 import time
@@ -17,24 +16,25 @@ from typing import Any
 import torch
 
 from . import calib, methods
-from .methods import kernels
+from .methods import kernels, warmup
+from .methods.job import DTYPES, Job, feature_names
+from .methods.kernels import check_kernels
 from .export import write as export
 from .export.artifact import RunRecord, write_artifact
 from .source import integrity, load as source
 from .source.arch import Arch, UnsupportedArchitecture, arch_for
 from .source.experts import split_experts
 from .capture.loop import run_shared
-from .capture import warmup
-from .capture.device import check_kernels, configure_allocator
+from .capture.device import configure_allocator
 from .capture.distributed import Dist
 from .capture.checkpoint import Checkpointer, fingerprint
-from .capture.job import DTYPES, Job, feature_names
 from .export.stream import WeightStream
-from .methods.layer import is_skipped
+from .formats import is_skipped
+from .files import atomic_write_text, human_bytes
 from .lock import output_lock
 from .paths import check_output_parent, child
 from .preflight.checks import (NO_TARGETS, ROUTER_KEPT, Plan, PreflightError, check_free_disk, check_targets,
-                               cpu_moe_refusal, human_bytes, once_per_layer, pick_device, plan, table_lacks,
+                               cpu_moe_refusal, once_per_layer, pick_device, plan, table_lacks,
                                tied_embeddings)
 from .recipe import Recipe, load_recipe
 from .runlog import RunLog
@@ -265,7 +265,7 @@ def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: b
 
 
 def _warmup_launches(recipes: list[Recipe]) -> tuple[list[dict], str]:
-    """What the side process should compile for a run of these recipes (`capture.warmup`), and on which device:
+    """What the side process should compile for a run of these recipes (`methods.warmup`), and on which device:
     nothing where it cannot help (no CUDA device, no compiling triton, a GPU in an exclusive compute mode) or the
     model's shapes are not readable from its config.json alone (pre-flight then says why, with its own message)."""
     first = recipes[0]
@@ -379,14 +379,9 @@ def _checkpointer(recipes: list[Recipe], first_out: Path, pf: Checked,
 
 
 def _write_text(path: Path, text: str) -> Path:
-    """Write `text` to `path` through a temporary file renamed into place -> path (never half a file)."""
+    """Write `text` to `path` atomically (`files.atomic_write_text`), making its directory -> path."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_text(path, text)
     return path
 
 

@@ -1,2 +1,2 @@
-"""The capture stage: the layer-by-layer pass over calibration activations, the per-recipe jobs it feeds, the device it
-runs on, its checkpoints and its ranks."""
+"""The capture stage: the layer-by-layer pass over calibration activations, the device it runs on, its checkpoints
+and its ranks. It feeds any `loop.LayerJob`; the methods' jobs live in `methods.job`."""

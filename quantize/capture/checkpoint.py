@@ -25,9 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..export.write import DiskFullError, disk_full_errno
-from ..files import atomic_write, atomic_write_text
-from ..preflight.checks import human_bytes
+from ..files import DiskFullError, atomic_write, atomic_write_text, disk_full_errno, human_bytes
 
 log = logging.getLogger(__name__)
 

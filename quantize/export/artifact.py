@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ..capture.job import Job
 from ..files import usable_cores
 from .. import formats
+from ..methods.job import Job
 from ..preflight import deploy
 from ..records import Manifest
 from ..source import load as source

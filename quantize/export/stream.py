@@ -29,7 +29,7 @@ GLOBAL = -1  # the group of the tensors outside the decoder layers
 
 
 class WeightStream:
-    """The weight files of one job's artifact (`capture.job.Job`), in `directory`.
+    """The weight files of one job's artifact (`methods.job.Job`), in `directory`.
 
     during_pass: `layer(i)` (called by the job once layer i is final) queues the layer at once; else every group
     is written by `finish`. drop: tensor names not written (a tied lm_head). origin: where a non-finite tensor

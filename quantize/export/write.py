@@ -26,8 +26,7 @@ from safetensors.torch import save_file
 from ..errors import UserError
 from .. import manifest
 from ..records import Manifest
-from ..files import fsync_path, usable_cores
-from ..preflight.checks import human_bytes
+from ..files import DiskFullError, disk_full_errno, fsync_path, human_bytes, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -35,33 +34,8 @@ class OutputExistsError(UserError, FileExistsError):
     pass
 
 
-class DiskFullError(UserError, OSError):
-    """The disk filled up (or a quota was hit) while an artifact was written; nothing was left behind."""
-
-
 class ExportError(UserError, OSError):
     """The operating system refused a write or rename of the artifact (not a full disk); nothing was left behind."""
-
-
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-# How libraries that wrap the OS error say it: safetensors (Rust) "... (os error 28)"; torch.save to a path
-# loses the errno, to a file object keeps the OSError as the RuntimeError's __context__.
-_DISK_FULL_TEXT = {errno.ENOSPC: ("No space left on device", f"(os error {errno.ENOSPC})"),
-                   errno.EDQUOT: ("Disk quota exceeded", f"(os error {errno.EDQUOT})")}
-
-
-def disk_full_errno(e: BaseException | None) -> int | None:
-    """ENOSPC / EDQUOT if `e`, or an exception it was raised from, says the disk is full -> errno, else None."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in DISK_FULL:
-            return e.errno
-        for code, texts in _DISK_FULL_TEXT.items():
-            if not isinstance(e, OSError) and any(t in str(e) for t in texts):
-                return code
-        e = e.__cause__ or e.__context__
-    return None
 
 
 class NonFiniteTensorError(UserError, FloatingPointError):

@@ -12,7 +12,7 @@ The candidates' ranges, scales, zero points and fake-quantized weights are the t
 round-half-to-even, no fused multiply-add). The error Δ G Δᵀ is a float32 sum in another order than cuBLAS's, so
 two candidates whose errors agree to float32 rounding may be ordered the other way: the pick can differ there, by
 less than that rounding in the quantity the search minimises. The unit test bounds it.
-This module imports triton: `capture.device.awq_clip` imports it only when the kernel is wanted.
+This module imports triton: `kernels.awq_clip` imports it only when the kernel is wanted.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def search_clip_triton(w: torch.Tensor, gram: torch.Tensor, spec, n_grid: int, m
 
 def warm(launch: dict, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
     """One search with a run's settings on [rows, cols] weights, so that Triton compiles (or finds in its cache)
-    the kernel the run will launch (`capture.warmup`): launch holds group, w_bit, symmetric, n_grid, max_shrink
+    the kernel the run will launch (`warmup`): launch holds group, w_bit, symmetric, n_grid, max_shrink
     and per_side."""
     spec = QSpec(launch["w_bit"], launch["group"], symmetric=launch["symmetric"])
     w = torch.randn(rows, cols, device=device).to(dtype)

@@ -12,7 +12,7 @@ where torch divides two tensors, x * fl32(1/d) where torch on CUDA divides by a 
 no fused multiply-add, and the cast to the weights' dtype rounding to nearest even. There is no sum, so no order
 to differ in. `delta=True` writes the candidate minus the weights instead (the single-linear loss's ΔW), formed
 in float32 and cast to the output's dtype, as torch forms it.
-This module imports triton: `capture.device.awq_fake_quant` imports it only when the kernel is wanted.
+This module imports triton: `kernels.awq_fake_quant` imports it only when the kernel is wanted.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def scaled_fake_quant_triton(w: torch.Tensor, s: torch.Tensor, spec, delta: bool
 
 def warm(launch: dict, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
     """One launch with a run's settings on [rows, cols] weights, so that Triton compiles (or finds in its cache)
-    the kernel the run will launch (`capture.warmup`): launch holds group, w_bit, symmetric and delta."""
+    the kernel the run will launch (`warmup`): launch holds group, w_bit, symmetric and delta."""
     spec = QSpec(launch["w_bit"], launch["group"], symmetric=launch["symmetric"])
     w = torch.randn(rows, cols, device=device).to(dtype)
     if not supports(w, spec.group):

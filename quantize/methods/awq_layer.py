@@ -13,16 +13,16 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from . import awq_search as awq, gptq_sweep as gptq, output_error
+from . import awq_search, gptq_sweep as gptq, output_error
 from ..source.arch import Arch, ScaleGroup, active_scale_groups, layer_prefix
 from ..capture.loop import LayerData
-from ..capture.device import clock as _clock
-from ..capture.device import awq_clip, awq_fake_quant, awq_search_dtype, gptq_sweep, side_stream
+from ..capture.device import clock as _clock, side_stream
 from ..capture.distributed import Dist
 from .primitives import quantize
 from ..runlog import RunLog
 from .base import ERRORS
 from .gptq_layer import gptq_spec
+from .kernels import awq_clip, awq_fake_quant, awq_search_dtype, gptq_sweep
 from .layer import (QuantResult, batches, cost, expert_hidden, feature_of, first_output, local_linears, moe_linears,
                     owned, qspec, read_back, routing, rows_of, screen_split, search_batches, store, store_rows, unit_inputs,
                     units)
@@ -36,7 +36,7 @@ def _search_stats(r, forward_dtype: torch.dtype | None) -> dict:
             **({"forward_dtype": str(forward_dtype).removeprefix("torch.")} if forward_dtype is not None else {})}
 
 
-def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], recipe, spec: awq.QSpec,
+def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], recipe, spec: awq_search.QSpec,
                   dist: Dist | None = None, shared: dict | None = None):
     """Scale search for one scale group of data.layer -> (awq.ScaleSearch, the dtype its block forwards ran in, None
     for a single linear's search). dist: the candidate ratios of each round
@@ -72,17 +72,17 @@ def _search_group(data: LayerData, g, quantized: list[bool], chosen: list[int], 
         if shared is not None:  # the name holds what the value depends on besides the shared inputs
             key = ("awq.search", g.inspect or g.linears[0], tuple(chosen), len(xb), x.dtype, weights, cast)
             if key not in shared:
-                shared[key] = awq.loss_gram(x_loss) if run_inspect is None else list(run_inspect())
+                shared[key] = awq_search.loss_gram(x_loss) if run_inspect is None else list(run_inspect())
             gram, reference = (shared[key], None) if run_inspect is None else (None, shared[key])
-        r = awq.search_scales(x, linears, quantized, run_inspect, spec, opts.n_grid, opts.duo_scaling,
-                              coarse_step=fast.coarse_step, x_loss=x_loss, grid_batch=fast.grid_batch,
-                              spread=None if dist is None else dist.spread, reference=reference, gram=gram,
-                              fq=awq_fake_quant(fast.search_kernel, x.device), screen_batches=screen,
-                              screen_keep=opts.screen_keep or 0)
+        r = awq_search.search_scales(x, linears, quantized, run_inspect, spec, opts.n_grid, opts.duo_scaling,
+                                     coarse_step=fast.coarse_step, x_loss=x_loss, grid_batch=fast.grid_batch,
+                                     spread=None if dist is None else dist.spread, reference=reference, gram=gram,
+                                     fq=awq_fake_quant(fast.search_kernel, x.device), screen_batches=screen,
+                                     screen_keep=opts.screen_keep or 0)
     return r, None if block is None else cast or weights
 
 
-def _clip_layer(data: LayerData, arch: Arch, local: set[str], opts, spec: awq.QSpec,
+def _clip_layer(data: LayerData, arch: Arch, local: set[str], opts, spec: awq_search.QSpec,
                 grams: dict[str, torch.Tensor], kernel: str, dist: Dist | None = None
                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Clip search for every converted, clippable linear of data.layer (exact, all tokens) -> name -> (lo, hi)
@@ -100,15 +100,15 @@ def _clip_layer(data: LayerData, arch: Arch, local: set[str], opts, spec: awq.QS
     return dict(zip(names, owned(dist, [(cost(data.layer, [n]), lambda n=n: clip(n)) for n in names])))
 
 
-def _group_gram(data: LayerData, arch: Arch, name: str, spec: awq.QSpec, grams: dict[str, torch.Tensor]):
+def _group_gram(data: LayerData, arch: Arch, name: str, spec: awq_search.QSpec, grams: dict[str, torch.Tensor]):
     """The group Gram matrices [in // g, g, g] of linear `name`'s input (cached per shared input in grams)."""
     key = feature_of(arch)[name]
     if key not in grams:
-        grams[key] = awq.group_gram(data.features[key], spec.group)  # [n_group, g, g]
+        grams[key] = awq_search.group_gram(data.features[key], spec.group)  # [n_group, g, g]
     return grams[key]
 
 
-def _awq_round(data: LayerData, arch: Arch, names: list[str], ranges: dict, grams: dict, recipe, spec: awq.QSpec,
+def _awq_round(data: LayerData, arch: Arch, names: list[str], ranges: dict, grams: dict, recipe, spec: awq_search.QSpec,
                scale_dtype: torch.dtype, results: dict[str, QuantResult]) -> None:
     """Quantize the scaled linears `names` of data.layer on their clip grids: grid from the clip range, scales
     refit by least squares (awq.refit_iters), codes by round-to-nearest or GPTQ (awq.rounding)."""
@@ -116,10 +116,10 @@ def _awq_round(data: LayerData, arch: Arch, names: list[str], ranges: dict, gram
     grids = {}
     for n in names:
         w = layer.get_submodule(n).weight.data
-        scales, zeros = awq.clip_grid(w, *ranges.get(n, (None, None)), spec)
+        scales, zeros = awq_search.clip_grid(w, *ranges.get(n, (None, None)), spec)
         if opts.refit_iters:
-            scales = awq.refit_scales(w, _group_gram(data, arch, n, spec, grams), scales, zeros, spec,
-                                      opts.refit_iters, scale_dtype)
+            scales = awq_search.refit_scales(w, _group_gram(data, arch, n, spec, grams), scales, zeros, spec,
+                                             opts.refit_iters, scale_dtype)
         grids[n] = (scales.to(scale_dtype), zeros)
     if opts.rounding == "rtn":
         for n in names:
@@ -145,17 +145,18 @@ def _awq_round(data: LayerData, arch: Arch, names: list[str], ranges: dict, gram
 
 
 def _awq_round_owned(data: LayerData, arch: Arch, names: list[str], ranges: dict, grams: dict, recipe,
-                     spec: awq.QSpec, scale_dtype: torch.dtype, results: dict[str, QuantResult], dist: Dist) -> None:
+                     spec: awq_search.QSpec, scale_dtype: torch.dtype, results: dict[str, QuantResult],
+                     dist: Dist) -> None:
     """`_awq_round` with each unit on its owner: a linear (round-to-nearest) or the linears sharing one input
     (GPTQ rounding, one Hessian); each unit computes exactly what `_awq_round` computes for it."""
     layer, opts, prefix = data.layer, recipe.awq, layer_prefix(arch, data.index)
 
     def grid(n: str):
         w = layer.get_submodule(n).weight.data
-        scales, zeros = awq.clip_grid(w, *ranges.get(n, (None, None)), spec)
+        scales, zeros = awq_search.clip_grid(w, *ranges.get(n, (None, None)), spec)
         if opts.refit_iters:
-            scales = awq.refit_scales(w, _group_gram(data, arch, n, spec, grams), scales, zeros, spec,
-                                      opts.refit_iters, scale_dtype)
+            scales = awq_search.refit_scales(w, _group_gram(data, arch, n, spec, grams), scales, zeros, spec,
+                                             opts.refit_iters, scale_dtype)
         return scales.to(scale_dtype), zeros
 
     def rtn(n: str):
@@ -243,7 +244,7 @@ def _awq_errors(data: LayerData, arch: Arch, recipe, scaled: dict[str, torch.Ten
             key = input_of[n]
             if key not in rows:
                 rows[key] = rows_of(data.features[key], sizes, chosen)  # [tokens', in]
-                grams[key] = awq.input_gram(rows[key])  # [in, in] or None
+                grams[key] = awq_search.input_gram(rows[key])  # [in, in] or None
             q = data.layer.get_submodule(n).weight.data
             den = None if data.shared is None else data.shared.get((*searched, n))
             if den is None:
@@ -256,9 +257,9 @@ def _awq_errors(data: LayerData, arch: Arch, recipe, scaled: dict[str, torch.Ten
     return read_back(errors)
 
 
-def search_spec(recipe) -> awq.QSpec:
+def search_spec(recipe) -> awq_search.QSpec:
     """The quantizer the scale search scores its candidates with (`awq.search_group_size`)."""
-    return awq.QSpec(recipe.w_bit, recipe.awq.search_group(recipe.q_group_size), symmetric=recipe.symmetric)
+    return awq_search.QSpec(recipe.w_bit, recipe.awq.search_group(recipe.q_group_size), symmetric=recipe.symmetric)
 
 
 def _search_settings(recipe) -> tuple:
@@ -307,8 +308,8 @@ def fold_scales(data: LayerData, arch: Arch, chosen: list) -> None:
     computes the same function, its linears now hold the scaled weights AWQ quantizes."""
     layer = data.layer
     for g, s in chosen:
-        awq.apply_scales(layer.get_submodule(g.prev), [layer.get_submodule(n) for n in g.linears], s,
-                         arch.norm_offset)
+        awq_search.apply_scales(layer.get_submodule(g.prev), [layer.get_submodule(n) for n in g.linears], s,
+                                arch.norm_offset)
         if g.linears[0] in data.features:
             data.features[g.linears[0]].div_(s.to(data.features[g.linears[0]].dtype))
 
@@ -341,15 +342,15 @@ def awq_moe(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype:
         r, forward_dtype = _search_group(dataclasses.replace(data, features={fed[0]: x}), g,
                                          [n in local for n in fed], chosen, recipe, search_spec(recipe))
         stats[x_.norm] = _search_stats(r, forward_dtype)
-        awq.apply_scales(layer.get_submodule(x_.norm), [layer.get_submodule(n) for n in consumers], r.scales,
-                         arch.norm_offset)
+        awq_search.apply_scales(layer.get_submodule(x_.norm), [layer.get_submodule(n) for n in consumers], r.scales,
+                                arch.norm_offset)
         x = x / r.scales.to(x.dtype)  # [T, H] what the scaled linears now see
     for path, e in units(layer, arch):
         _awq_unit(data, arch, path, unit_inputs(x, rows, e), local, recipe, spec, scale_dtype, results)
     return stats
 
 
-def _awq_unit(data: LayerData, arch: Arch, path: str, x: torch.Tensor, local: set[str], recipe, spec: awq.QSpec,
+def _awq_unit(data: LayerData, arch: Arch, path: str, x: torch.Tensor, local: set[str], recipe, spec: awq_search.QSpec,
               scale_dtype: torch.dtype, results: dict[str, QuantResult]) -> None:
     """One expert MLP at `path` on its calibration inputs x [n, H] (already scaled by the norm's AWQ scale)."""
     opts, fast, layer = recipe.awq, recipe.advanced.awq, data.layer
@@ -361,10 +362,10 @@ def _awq_unit(data: LayerData, arch: Arch, path: str, x: torch.Tensor, local: se
     with torch.no_grad():
         z = expert_hidden(mlp, x)  # [n, I]
         if down in local:
-            r = awq.search_scales(z, [mlp.down_proj], [True], None, search_spec(recipe), opts.n_grid, opts.duo_scaling,
-                                  coarse_step=fast.coarse_step, grid_batch=fast.grid_batch,
-                                  fq=awq_fake_quant(fast.search_kernel, z.device))
-            awq.apply_scales(mlp.up_proj, [mlp.down_proj], r.scales)
+            r = awq_search.search_scales(z, [mlp.down_proj], [True], None, search_spec(recipe), opts.n_grid,
+                                         opts.duo_scaling, coarse_step=fast.coarse_step, grid_batch=fast.grid_batch,
+                                         fq=awq_fake_quant(fast.search_kernel, z.device))
+            awq_search.apply_scales(mlp.up_proj, [mlp.down_proj], r.scales)
             z = z / r.scales.to(z.dtype)
     # the expert as a one-MLP table, so clipping and rounding run exactly as for a dense MLP
     unit = dataclasses.replace(arch, linears=(gate, up, down), no_clip=(), fused=((gate, up),),

@@ -76,7 +76,7 @@ def _scaled_delta(w: torch.Tensor, s: torch.Tensor, spec: QSpec, out: torch.Tens
 @dataclass(frozen=True)
 class FakeQuant:
     """How the scale search fake-quantizes a candidate: torch's functions, or a kernel that gives their values
-    (`capture.device.awq_fake_quant`)."""
+    (`kernels.awq_fake_quant`)."""
 
     name: str
     candidate: Callable[[torch.Tensor, torch.Tensor, QSpec], torch.Tensor]  # (w, s, spec) -> Q(w·s)/s, w's dtype

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from ..records import stats_key
+
 PROPAGATIONS = ("fp", "quantized", "none")
 # the key of a layer's statistics under which a method reports each linear's relative output error on its
 # calibration inputs (`quantize/methods/output_error.py`); the job files these apart, the manifest keeps them as
@@ -53,7 +55,7 @@ class Method:
         """The Triton kernels this recipe's layer jobs launch on CUDA, in the order a layer first launches them:
         each {module: a `quantize.methods` module with a `warm(launch, rows, cols, dtype, device)`, group: the
         recipe's group size, and the settings that module's `warm` reads}. A side process compiles them while the
-        run starts (`capture.warmup`); [] = none."""
+        run starts (`methods.warmup`); [] = none."""
         return []
 
     def static_act_order(self, recipe) -> bool:
@@ -77,8 +79,3 @@ class Method:
     def section(self, recipe) -> Any:
         """This recipe's options for the method (an `options` instance), or None when it has none."""
         return recipe.method_options(self.name) if self.options is not None else None
-
-
-def stats_key(name: str) -> str:
-    """The manifest key holding method `name`'s per-layer statistics (readable without the method registered)."""
-    return f"{name}_stats"

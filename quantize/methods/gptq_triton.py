@@ -162,7 +162,7 @@ def sweep_triton(W: torch.Tensor, W0: torch.Tensor, A: torch.Tensor, t: torch.Te
 
 def warm(launch: dict, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> None:
     """One GPTQ problem with a run's settings on [rows, cols] weights (H the identity), so that Triton compiles
-    (or finds in its cache) every block's kernel the run will launch (`capture.warmup`); grid: on a given grid
+    (or finds in its cache) every block's kernel the run will launch (`warmup`); grid: on a given grid
     with static groups, as AWQ's GPTQ rounding sweeps."""
     spec = spec_from_json(launch["spec"])
     W = torch.randn(rows, cols, device=device).to(dtype)

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from . import awq_search as awq
+from . import awq_search
 from ..source.arch import Arch, get_module, layer_prefix
 from ..capture.distributed import Dist
 from ..source.experts import routed_tokens
-from ..formats import is_skipped  # noqa: F401 - where the passes look for it; torch-free in formats for pre-flight
 from .primitives import dequantize, quantize_for_export
 
 
@@ -145,8 +144,8 @@ def first_output(y):
     return y[0] if isinstance(y, tuple) else y
 
 
-def qspec(recipe) -> awq.QSpec:
-    return awq.QSpec(recipe.w_bit, recipe.q_group_size, symmetric=recipe.symmetric)
+def qspec(recipe) -> awq_search.QSpec:
+    return awq_search.QSpec(recipe.w_bit, recipe.q_group_size, symmetric=recipe.symmetric)
 
 
 def search_batches(tokens_per_batch: list[int], search_tokens: int | None, seed: int) -> list[int]:
@@ -208,7 +207,7 @@ def unit_inputs(x: torch.Tensor, rows: list, e: int | None) -> torch.Tensor:
     return x if e is None or rows[e] is None else x[rows[e]]  # [n_e, H]
 
 
-def round_to_nearest(layer: nn.Module, names: list[str], spec: awq.QSpec, scale_dtype: torch.dtype, prefix: str,
+def round_to_nearest(layer: nn.Module, names: list[str], spec: awq_search.QSpec, scale_dtype: torch.dtype, prefix: str,
                       results: dict[str, QuantResult]) -> None:
     for n in names:
         w = layer.get_submodule(n).weight.data

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
+from ..files import human_bytes
 from .. import formats, methods
 from . import deploy, targets
 from ..source.arch import ARCHITECTURES, Arch, all_linears, checkpoint_name, decoder_layers, layer_prefix
@@ -320,15 +321,6 @@ def estimate_tensor_bytes(meta, convert: set[str], recipe: Recipe, tied: bool) -
         else:
             total += t.numel() * (item if t.is_floating_point() else t.element_size())
     return total
-
-
-def human_bytes(n: float) -> str:
-    """12345678 -> '12.35 MB' (decimal units, as disk tools print them)."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
 
 
 def check_free_disk(out: Path, need: int, margin: float = 0.05) -> int:

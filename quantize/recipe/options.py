@@ -6,9 +6,10 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from ..errors import UserError
+from ..methods.options import Strict
 
 GROUP_SIZES = (-1, 32, 64, 128)  # -1 = per output channel (formats/ says which take it)
 
@@ -17,11 +18,7 @@ class RecipeError(UserError, ValueError):
     """A recipe a user wrote is wrong; the message says what to change."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Calibration(_Strict):
+class Calibration(Strict):
     """Which text calibrates the activations, and how much of it."""
 
     dataset: str = "groups-merged"  # groups-merged | wikitext2 (bundled) | pileval | a hub id (hub only) | a local file
@@ -36,7 +33,7 @@ class Calibration(_Strict):
 MIN_EXPERT_TOKENS = 128  # one GPTQ block / AWQ group of columns sees at least this many samples
 
 
-class MoeOptions(_Strict):
+class MoeOptions(Strict):
     """Mixture-of-experts calibration (models with experts only; see docs/MOE.md).
 
     Each routed expert is calibrated on the tokens the router sends to it. An expert that receives fewer than
@@ -48,7 +45,7 @@ class MoeOptions(_Strict):
     min_expert_tokens: int = Field(MIN_EXPERT_TOKENS, ge=0)
 
 
-class AdvancedAwq(_Strict):
+class AdvancedAwq(Strict):
     """AWQ search-speed experiments."""
 
     # 1 = every grid point; k > 1 = every k-th, then refine by halving steps (k=4 missed the grid minimum of
@@ -65,7 +62,7 @@ class AdvancedAwq(_Strict):
     search_dtype: Literal["auto", "compute", "bfloat16"] = "auto"
 
 
-class AdvancedGptq(_Strict):
+class AdvancedGptq(Strict):
     """GPTQ sweep-speed experiments."""
 
     kernel: Literal["auto", "torch", "triton"] = "auto"  # column sweep; auto = triton on CUDA when it imports
@@ -74,7 +71,7 @@ class AdvancedGptq(_Strict):
     update: Literal["float32", "tf32"] = "float32"
 
 
-class Advanced(_Strict):
+class Advanced(Strict):
     """Speed experiments, not quality settings: the defaults are the plain algorithm (module docstring), except
     `awq.search_dtype: auto`, which on a float32 CPU run with AMX ranks AWQ's candidates in bfloat16."""
 
@@ -82,7 +79,7 @@ class Advanced(_Strict):
     gptq: AdvancedGptq = AdvancedGptq()
 
 
-class PerplexityOptions(_Strict):
+class PerplexityOptions(Strict):
     """Perplexity protocol (defaults = the GPTQ/AWQ papers': WikiText-2 test, 2048-token windows)."""
 
     dataset: str = "wikitext2"  # wikitext2 | a local .txt path
@@ -90,14 +87,14 @@ class PerplexityOptions(_Strict):
     max_windows: int | None = Field(None, gt=0)  # None = every full window
 
 
-class VllmSmokeOptions(_Strict):
+class VllmSmokeOptions(Strict):
     enabled: bool = True
     timeout_s: int = Field(600, gt=0)
     max_tokens: int = Field(32, gt=0)
     min_token_agreement: float = Field(0.6, ge=0, le=1)  # teacher-forced top-1 agreement with the FP16 model
 
 
-class LmEvalOptions(_Strict):
+class LmEvalOptions(Strict):
     """lm-evaluation-harness tasks, scored on both models in the eval stage (eval/lmeval.py). Shipped tasks
     (eval/tasks/, e.g. wikitext_continuation) need no network; any other lm-eval task needs its data."""
 
@@ -113,7 +110,7 @@ MAX_KL = 0.5
 MIN_TOP1 = 0.6
 
 
-class EvalOptions(_Strict):
+class EvalOptions(Strict):
     """What `make eval` measures, and the gates that fail it."""
 
     enabled: bool = True  # make quantize runs eval unless false
@@ -136,7 +133,7 @@ SERVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$"
 SERVE_CAPABILITIES = ("7.5", "8.0", "8.6", "8.9", "9.0", "10.0", "12.0")
 
 
-class ServeTarget(_Strict):
+class ServeTarget(Strict):
     """A GPU generation and tensor-parallel size the artifact must be served at on a Marlin-class kernel."""
 
     compute_capability: float  # 9.0 = Hopper (H100/H200); pre-flight refuses a target vLLM would serve slower
@@ -162,7 +159,7 @@ class ServeTarget(_Strict):
         return f"{self.compute_capability:.1f}"
 
 
-class ServeOptions(_Strict):
+class ServeOptions(Strict):
     """How the artifact is served (written to its vllm-serve.yaml) and benchmarked (`make bench-serve`).
 
     Shapes are checked against the model in pre-flight: tensor_parallel_size must be one of the sizes every

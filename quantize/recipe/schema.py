@@ -10,10 +10,10 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from .. import formats, methods
 from ..methods.awq import AwqOptions
 from ..methods.gptq import GptqOptions
-from .options import GROUP_SIZES, Advanced, Calibration, EvalOptions, MoeOptions, ServeOptions, _Strict
+from .options import GROUP_SIZES, Advanced, Calibration, EvalOptions, MoeOptions, ServeOptions, Strict
 
 
-class Recipe(_Strict):
+class Recipe(Strict):
     """A validated recipe. Field names map 1:1 to the YAML keys."""
 
     name: str

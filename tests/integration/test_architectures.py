@@ -13,7 +13,7 @@ import torch
 
 from eval.artifact import load_dequantized, read_tensors
 from quantize import runner
-from quantize.capture.job import feature_names
+from quantize.methods.job import feature_names
 from quantize.methods import awq_layer
 from quantize.source.arch import ARCHITECTURES, attn_implementation, decoder_layers
 from quantize.capture.loop import run_shared

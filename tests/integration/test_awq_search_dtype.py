@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quantize import runner
-from quantize.capture import device
+from quantize.methods import kernels
 from quantize.methods import awq_layer
 from quantize.recipe import RecipeError, load_recipe
 from tests.conftest import tiny_recipe
@@ -17,17 +17,17 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 def test_resolution(monkeypatch):
     """compute never casts; bfloat16 casts unless the run computes in it; auto only on a float32 CPU run with AMX."""
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
-    assert device.awq_search_dtype("compute", CPU, f32) is None
-    assert device.awq_search_dtype("bfloat16", CPU, f32) == bf16
-    assert device.awq_search_dtype("bfloat16", CUDA, f16) == bf16
-    assert device.awq_search_dtype("bfloat16", CUDA, bf16) is None
-    monkeypatch.setattr(device, "cpu_has_amx", lambda: True)
-    assert device.awq_search_dtype("auto", CPU, f32) == bf16
-    assert [device.awq_search_dtype("auto", d, t) for d, t in ((CPU, bf16), (CUDA, f32), (CUDA, f16))] == [None] * 3
-    monkeypatch.setattr(device, "cpu_has_amx", lambda: False)
-    assert device.awq_search_dtype("auto", CPU, f32) is None
+    assert kernels.awq_search_dtype("compute", CPU, f32) is None
+    assert kernels.awq_search_dtype("bfloat16", CPU, f32) == bf16
+    assert kernels.awq_search_dtype("bfloat16", CUDA, f16) == bf16
+    assert kernels.awq_search_dtype("bfloat16", CUDA, bf16) is None
+    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: True)
+    assert kernels.awq_search_dtype("auto", CPU, f32) == bf16
+    assert [kernels.awq_search_dtype("auto", d, t) for d, t in ((CPU, bf16), (CUDA, f32), (CUDA, f16))] == [None] * 3
+    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: False)
+    assert kernels.awq_search_dtype("auto", CPU, f32) is None
     with pytest.raises(ValueError, match="search_dtype"):
-        device.awq_search_dtype("float8", CPU, f32)
+        kernels.awq_search_dtype("float8", CPU, f32)
 
 
 def test_recipe_refuses_an_unknown_value(tmp_path, tiny_llama):

@@ -18,7 +18,7 @@ from quantize.methods import awq_search as awq, gptq_sweep as gptq
 from quantize.export import modelcard
 from quantize.source.arch import all_linears, arch_for, checkpoint_name, get_module
 from quantize.capture.loop import LayerData, first_layer_inputs
-from quantize.capture.job import Job
+from quantize.methods.job import Job
 from quantize.methods.awq_layer import norm_consumers
 from quantize.methods.layer import expert_tokens
 from quantize.recipe import load_recipe

@@ -7,7 +7,7 @@ import pytest
 from safetensors import safe_open
 
 from quantize import runner
-from quantize.capture.job import Job
+from quantize.methods.job import Job
 from quantize.recipe import load_recipe
 from tests.conftest import tiny_recipe
 

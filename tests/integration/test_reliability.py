@@ -126,7 +126,7 @@ def test_untied_model_reports_untied(tiny_llama):
     from transformers import AutoConfig
 
     from quantize.source.arch import arch_for
-    from quantize.methods.layer import is_skipped
+    from quantize.formats import is_skipped
     from quantize.recipe import Recipe
 
     cfg = AutoConfig.from_pretrained(tiny_llama)

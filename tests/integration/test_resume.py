@@ -79,7 +79,7 @@ def test_killed_run_resumes_and_writes_identical_files(deep_qwen2, tmp_path, met
 def test_checkpoint_of_another_run_is_discarded(deep_qwen2, tmp_path, monkeypatch, caplog):
     """Crash (fault injection) after layer 4 of one recipe, then change the recipe: the stale checkpoint must be
     discarded and the result equal a clean run of the changed recipe."""
-    from quantize.capture import job
+    from quantize.methods import job
 
     first = tiny_recipe(tmp_path, deep_qwen2, name="ck", checkpoint_every_s=0)
     real = job.Job.process
@@ -104,7 +104,7 @@ def test_checkpoint_of_another_run_is_discarded(deep_qwen2, tmp_path, monkeypatc
 
 
 def _crash_after_layer_4(monkeypatch, recipe, out_root):
-    from quantize.capture import job
+    from quantize.methods import job
 
     real = job.Job.process
 

@@ -60,7 +60,7 @@ def test_fused_slices_fold_only_where_the_slices_are_equal():
 def test_olmo2_scales_only_what_a_linear_feeds():
     """OLMo 2 has no norm before attention or MLP: only v -> o and up -> down fold; q/k/v and gate/up still
     share one captured input each."""
-    from quantize.capture.job import feature_names
+    from quantize.methods.job import feature_names
 
     arch, layer = _layer("Olmo2ForCausalLM")
     assert [g.prev for g in active_scale_groups(layer, arch)] == ["self_attn.v_proj", "mlp.up_proj"]
@@ -86,7 +86,7 @@ def test_unquantized_linears_stay_16bit_in_the_plan():
 
     import transformers
 
-    from quantize.methods.layer import is_skipped
+    from quantize.formats import is_skipped
     from quantize.preflight.checks import plan
     from quantize.recipe import load_recipe
 

@@ -33,7 +33,7 @@ def _err(w: torch.Tensor, gram: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
 def compare(device: str) -> list[dict]:
     """Every case searched by both implementations on `device` -> per case: the share of groups whose pick
     differs, and the largest relative gap between the two picks' errors."""
-    from quantize.capture import device as dev
+    from quantize.methods import kernels
     from quantize.methods import awq_search as awq
 
     out = []
@@ -45,7 +45,7 @@ def compare(device: str) -> list[dict]:
         x = torch.randn(512, in_f, generator=gen) @ (torch.eye(in_f) + 0.3 * torch.randn(in_f, in_f, generator=gen))
         gram = awq.group_gram(x.to(device), g)
         spec = awq.QSpec(w_bit, g, symmetric=symmetric)
-        picks = [dev.awq_clip(kernel, w.device)(w, gram, spec, 20, 0.5, per_side) for kernel in ("torch", "triton")]
+        picks = [kernels.awq_clip(kernel, w.device)(w, gram, spec, 20, 0.5, per_side) for kernel in ("torch", "triton")]
         (lo_a, hi_a), (lo_b, hi_b) = picks
         differ = (lo_a != lo_b) | (hi_a != hi_b)
         err_a, err_b = _err(w, gram, lo_a, hi_a, spec), _err(w, gram, lo_b, hi_b, spec)
@@ -68,14 +68,14 @@ def test_triton_clip_search_picks_the_torch_search():
 def test_awq_kernel_choice(chooser, torchs, setting):
     """Each AWQ kernel setting (the clip search; the scale search's fake-quantization, test_awq_fq_triton.py): torch's
     on the CPU unless triton is asked for; asked for where it cannot run, the setting is named."""
-    from quantize.capture import device as dev
+    from quantize.methods import kernels
     from quantize.methods import awq_search as awq
 
-    choose, reference = getattr(dev, chooser), getattr(awq, torchs)
+    choose, reference = getattr(kernels, chooser), getattr(awq, torchs)
     assert choose("torch", torch.device("cpu")) is reference
     if not torch.cuda.is_available():
         assert choose("auto", torch.device("cpu")) is reference
-        with pytest.raises(dev.KernelUnavailable, match=setting):
+        with pytest.raises(kernels.KernelUnavailable, match=setting):
             choose("triton", torch.device("cpu"))
     with pytest.raises(ValueError, match=setting):
         choose("fast", torch.device("cpu"))

@@ -20,10 +20,10 @@ CASES = [(4, 128, False, 70, "bfloat16"), (4, 64, False, 64, "float16"), (4, 32,
 
 def compare(device: str) -> list[dict]:
     """Every case by both implementations on `device` -> per case: elements that differ (candidate and ΔW)."""
-    from quantize.capture import device as dev
+    from quantize.methods import kernels
     from quantize.methods import awq_search as awq
 
-    fq = dev.awq_fake_quant("triton", torch.device(device))
+    fq = kernels.awq_fake_quant("triton", torch.device(device))
     out = []
     for seed, (w_bit, g, symmetric, rows, dtype) in enumerate(CASES):
         gen = torch.Generator().manual_seed(seed)

@@ -66,7 +66,7 @@ def test_packer_round_trip(bits):
 
 def test_checkpoint_codes_round_trip():
     """Per-layer checkpoints store 4-bit codes two to a byte, wider codes as they are."""
-    from quantize.capture.job import _from_nibbles, _nibbles
+    from quantize.methods.job import _from_nibbles, _nibbles
 
     gen = torch.Generator().manual_seed(0)
     four = torch.randint(0, 16, (4, 64), generator=gen, dtype=torch.uint8)

@@ -19,14 +19,15 @@ def _user_error_classes() -> list[type]:
     """Every exception class the project defines for its users, from the modules that raise them."""
     from eval import perplexity, serve, vllm_run
     from pipeline import registry
-    from quantize import calib, lock, manifest, paths, recipe
+    from quantize import calib, files, lock, manifest, paths, recipe
     from quantize.source import arch, load as source
     from quantize.capture import loop as capture, device, distributed
     from quantize.export import write as export
+    from quantize.methods import kernels
     from quantize.preflight import checks as preflight
 
-    mods = (arch, calib, capture, device, distributed, export, lock, manifest, paths, preflight, recipe, source,
-            perplexity, serve, vllm_run, registry)
+    mods = (arch, calib, capture, device, distributed, export, files, kernels, lock, manifest, paths, preflight, recipe,
+            source, perplexity, serve, vllm_run, registry)
     return [c for m in mods for c in vars(m).values()
             if isinstance(c, type) and issubclass(c, Exception) and c.__module__ == m.__name__
             and not c.__name__.startswith("_")]  # private control flow, never shown

@@ -27,7 +27,7 @@ def answers() -> dict:
     """{recipe: {"vllm": version, "cells": {"<capability>/tp<n>/<dtype>": "<verdict>: module=kernel, ..."}}}"""
     from quantize.preflight import deploy
     from quantize.source.arch import arch_for
-    from quantize.methods.layer import is_skipped
+    from quantize.formats import is_skipped
     from quantize.recipe import load_recipe
     from quantize.source.load import ModelSource, read_config
 

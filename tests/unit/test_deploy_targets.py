@@ -12,7 +12,7 @@ import yaml
 
 from quantize.preflight import deploy, targets
 from quantize.source.arch import arch_for
-from quantize.methods.layer import is_skipped
+from quantize.formats import is_skipped
 from quantize.recipe import SERVE_CAPABILITIES, RecipeError, ServeTarget, list_recipes, load_recipe, load_variants
 from quantize.source.load import ModelSource, read_config
 

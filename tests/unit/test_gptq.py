@@ -212,22 +212,22 @@ def test_row_concatenation_equals_separate_calls(case):
 
 
 def test_kernel_choice_on_cpu(monkeypatch):
-    from quantize.capture import device
+    from quantize.methods import kernels
 
     cpu = torch.device("cpu")
     w, H, spec = _case_data(SWEEP_CASES[0])
     assert gptq.gptq_quantize(w, H, spec).kernel == "torch"  # the reference sweep by default
-    assert device.gptq_sweep("auto", cpu) is gptq.TORCH_SWEEP
+    assert kernels.gptq_sweep("auto", cpu) is gptq.TORCH_SWEEP
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="needs CUDA.*advanced.gptq.kernel: torch"):
-        device.gptq_sweep("triton", cpu)
+        kernels.gptq_sweep("triton", cpu)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setitem(__import__("sys").modules, "quantize.methods.gptq_triton", None)  # as if triton were missing
     monkeypatch.delattr(__import__("quantize"), "gptq_triton", raising=False)  # imported earlier on a CUDA host
     with pytest.raises(RuntimeError, match="triton does not import"):
-        device.gptq_sweep("triton", cpu)
+        kernels.gptq_sweep("triton", cpu)
     with pytest.raises(ValueError, match="unknown"):
-        device.gptq_sweep("cuda", cpu)
+        kernels.gptq_sweep("cuda", cpu)
 
 
 def test_quantize_many_equals_separate_calls():

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 def compare(device: str) -> list[dict]:
     """Every sweep case, quantized by both kernels on `device` -> per case: which fields are equal."""
-    from quantize.capture import device as dev
+    from quantize.methods import kernels
     from quantize.methods import gptq_sweep as gptq
     from tests.unit.test_gptq import SWEEP_CASES, _case_data
 
@@ -22,8 +22,8 @@ def compare(device: str) -> list[dict]:
     for case in SWEEP_CASES:
         w, H, spec = _case_data(case, in_f=128)
         w, H = w.to(device), H.to(device)
-        a = gptq.gptq_quantize(w, H, spec, sweep=dev.gptq_sweep("torch", w.device))
-        b = gptq.gptq_quantize(w, H, spec, sweep=dev.gptq_sweep("triton", w.device))
+        a = gptq.gptq_quantize(w, H, spec, sweep=kernels.gptq_sweep("torch", w.device))
+        b = gptq.gptq_quantize(w, H, spec, sweep=kernels.gptq_sweep("triton", w.device))
         out.append({"case": str(case), "kernel": b.kernel, "codes": torch.equal(a.codes, b.codes),
                     "scales": torch.equal(a.scales, b.scales), "zeros": torch.equal(a.zeros, b.zeros),
                     "loss_rel": abs(a.loss - b.loss) / a.loss})

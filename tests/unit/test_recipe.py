@@ -160,7 +160,7 @@ def _plan_on_real_config(config: str, recipe: str):
     from pathlib import Path
 
     from quantize.source.arch import arch_for
-    from quantize.methods.layer import is_skipped
+    from quantize.formats import is_skipped
     from quantize.preflight.checks import plan
     from quantize.source.load import ModelSource, read_config
 

@@ -1,4 +1,4 @@
-"""The side process that compiles a CUDA run's Triton kernels while the run starts (`capture.warmup`).
+"""The side process that compiles a CUDA run's Triton kernels while the run starts (`methods.warmup`).
 
 What it compiles must be what the pass launches: the keys the kernels wait on in a real run (a tiny Llama, every
 kernel set to triton, under Triton's CPU interpreter) are the keys the plan announces, in the same order. The
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from quantize import runner
-from quantize.capture import warmup
+from quantize.methods import warmup
 from quantize.errors import UserError
 from quantize.methods import gptq_layer, gptq_sweep, kernels
 from quantize.recipe import load_recipe

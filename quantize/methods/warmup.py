@@ -4,7 +4,7 @@ On a host whose Triton cache is empty (a fresh container), a CUDA run's first la
 method launches: AWQ's candidate and clip-search kernels cost the first decoder layer seconds, GPTQ's sweep
 less (docs/BENCHMARKS.md). What Triton compiles depends only on the launch's dtypes, constants and
 whether each integer argument is 1 or a multiple of 16, and the recipe and the model's config.json fix all of
-those before any weight is read. So a CUDA run starts a process (`python -m quantize.capture.warmup`) that
+those before any weight is read. So a CUDA run starts a process (`python -m quantize.methods.warmup`) that
 launches each kernel its recipes will use once, on a few rows with the real linears' column counts and dtypes,
 which puts the same entries in Triton's on-disk cache; the run's first launch of each kernel waits for the
 process's word that it is there (`wait`), then loads it instead of compiling it.
@@ -73,7 +73,7 @@ class Warmup:
         self.failed: list[str] = []
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "quantize.capture.warmup"]
+        return [sys.executable, "-m", "quantize.methods.warmup"]
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(

@@ -1,7 +1,8 @@
 """One recipe's state in a shared layer-by-layer pass: its method's results, statistics and the tensors it left.
 
-The capture loop (`capture.run_shared`) hands each job every decoder layer; the job asks its method
-(`methods.get(recipe.method)`) for the work. Snapshots of what a job produced feed per-layer checkpoints.
+The capture loop (`capture.run_shared`) hands each job (a `capture.loop.LayerJob`) every decoder layer; the job
+asks its method (`methods.get(recipe.method)`) for the work. Snapshots of what a job produced feed per-layer
+checkpoints.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import torch.nn as nn
 
 from .. import methods
 from ..source.arch import Arch, layer_prefix
-from .loop import LayerData, NumericalError
-from .device import clock as _clock
-from .distributed import Dist
-from ..methods.base import ERRORS
-from ..methods.layer import QuantResult, feature_of, local_linears, moe_linears
+from ..capture.loop import LayerData, NumericalError
+from ..capture.device import clock as _clock
+from ..capture.distributed import Dist
+from .base import ERRORS
+from .layer import QuantResult, feature_of, local_linears, moe_linears
 from ..runlog import RunLog
 
 
