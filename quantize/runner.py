@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import calib, methods
-from .methods import kernels, warmup
+from .methods import launches, warmup
 from .methods.job import DTYPES, Job, feature_names
 from .methods.kernels import check_kernels
 from .export import write as export
@@ -276,7 +276,7 @@ def _warmup_launches(recipes: list[Recipe]) -> tuple[list[dict], str]:
         config = source.config_json(first.model, first.trust_remote_code) if device.type == "cuda" else None
         if config is None or not warmup.usable():
             return [], ""
-        return kernels.plan(recipes, config, arch_for(config), pick_compute_dtype(first, device)), str(device)
+        return launches.plan(recipes, config, arch_for(config), pick_compute_dtype(first, device)), str(device)
     except Exception as e:  # noqa: BLE001 - an optimisation never fails a run; pre-flight reports what is wrong
         log.debug("Triton warm-up: not started (%s: %s)", type(e).__name__, e)
         return [], ""

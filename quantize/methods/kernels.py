@@ -1,46 +1,18 @@
-"""Which kernel a method's layer job runs (torch's or a Triton kernel's, from the recipe's `advanced` settings and
-the device), and the Triton launches that compile them ahead (`warmup` runs them in a side process while the run
-starts), from the recipes and the model's config alone."""
+"""Which kernel a method's layer job runs: torch's or a Triton kernel's, from the recipe's `advanced` settings and
+the device (the launches that compile them ahead are `launches.plan`'s)."""
 
 from __future__ import annotations
 
 import importlib
-import json
 import os
 from collections.abc import Callable
 
 import torch
 
-from . import get, warmup
+from . import warmup
 from .awq_search import TORCH_FQ, FakeQuant, search_clip
 from .gptq_sweep import TORCH_SWEEP, Sweep
 from ..errors import UserError
-from ..source.arch import linear_shapes
-
-
-def plan(recipes, config, arch, compute_dtype) -> list[dict]:
-    """The launches, in the order the pass first needs them (recipe by recipe, each method's kernels in its order,
-    `Method.triton_kernels`) -> [{module, group, rows, cols, dtype, and the method's settings}].
-
-    Triton compiles one kernel per dtype, constant and class of each integer argument (1, a multiple of 16, or
-    neither), so a few rows stand for a linear's output count: 16 where it is a multiple of 16, else 16 plus its
-    remainder; cols: the real input counts, which fix the sweeps' blocks and group counts."""
-    shapes = linear_shapes(arch, config)  # {local name: (in, out)}
-    dims = {(16 + o % 16, i) for i, o in shapes.values()}
-    for fused in arch.fused:  # linears one problem stacks by rows (GPTQ's q/k/v, gate/up)
-        if all(n in shapes for n in fused):
-            dims.add((16 + sum(shapes[n][1] for n in fused) % 16, shapes[fused[0]][0]))
-    dtype = str(compute_dtype).removeprefix("torch.")
-    out, seen = [], set()
-    for r in recipes:
-        for use in get(r.method).triton_kernels(r):
-            for rows, cols in sorted(dims):
-                launch = {**use, "rows": rows, "cols": cols, "dtype": dtype}
-                frozen = json.dumps(launch, sort_keys=True)
-                if frozen not in seen:
-                    seen.add(frozen)
-                    out.append(launch)
-    return out
 
 
 class KernelUnavailable(UserError, RuntimeError):

@@ -170,7 +170,7 @@ def usable() -> bool:
 
 @contextmanager
 def started(launches: list[dict], device: str = "cuda"):
-    """Within: the side process compiles `launches` (`methods.kernels.plan`; none: no process); at the end it is
+    """Within: the side process compiles `launches` (`methods.launches.plan`; none: no process); at the end it is
     stopped if it is still running, and what it did is logged."""
     global _ACTIVE
     if not launches:

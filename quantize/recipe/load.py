@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from ..errors import did_you_mean
+from ..source.not_found import remember_tried
 from .options import RecipeError
 from .schema import Recipe
 
@@ -47,17 +48,8 @@ def model_beside(model: str, recipe_file: Path) -> str:
     beside = recipe_file.resolve().parent / model
     if model.startswith(("./", "../")) or beside.exists():
         return str(beside.resolve())
-    _TRIED_BESIDE[model] = beside  # a hub id, or a directory that is missing: the loader's error says both
+    remember_tried(model, beside)  # a hub id, or a directory that is missing: the loader's error says both
     return model
-
-
-# `model` values left as they were because nothing of that name lies beside the recipe -> where it was looked for
-_TRIED_BESIDE: dict[str, Path] = {}
-
-
-def directory_tried(model: str) -> Path | None:
-    """Where a recipe that named `model` looked for it as a directory (beside the recipe file), or None."""
-    return _TRIED_BESIDE.get(model)
 
 
 def _merge(base: dict, override: dict) -> dict:

@@ -5,7 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..recipe.load import directory_tried
+# `model` values a recipe left as they were because nothing of that name lies beside it -> where it was looked for
+# (`recipe.load.model_beside` records them; the loader's message reads them)
+_TRIED_BESIDE: dict[str, Path] = {}
+
+
+def remember_tried(model: str, beside: Path) -> None:
+    _TRIED_BESIDE[model] = beside
+
+
+def directory_tried(model: str) -> Path | None:
+    """Where a recipe that named `model` looked for it as a directory (beside the recipe file), or None."""
+    return _TRIED_BESIDE.get(model)
 
 
 def not_found(spec: str, e: Exception, offline: bool) -> str:

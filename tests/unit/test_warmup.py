@@ -18,7 +18,7 @@ import torch
 from quantize import runner
 from quantize.methods import warmup
 from quantize.errors import UserError
-from quantize.methods import gptq_layer, gptq_sweep, kernels
+from quantize.methods import gptq_layer, gptq_sweep, launches as launch_plan
 from quantize.recipe import load_recipe
 from quantize.source.arch import arch_for
 from quantize.source.load import config_json
@@ -31,7 +31,7 @@ QWEN7B = ROOT / "bench" / "configs" / "qwen2.5-7b"
 
 def _plan(recipes, config_dir=QWEN7B, dtype=torch.float16):
     config = config_json(str(config_dir))
-    return kernels.plan(recipes, config, arch_for(config), dtype)
+    return launch_plan.plan(recipes, config, arch_for(config), dtype)
 
 
 def _recipe(tmp_path, name, **over):
@@ -95,7 +95,7 @@ def test_only_on_cuda_and_when_allowed(tmp_path, monkeypatch):
 
     def unreadable(*a):
         raise AssertionError("quantize/source/arch.py: no shapes entry for ['mlp.w3']")
-    monkeypatch.setattr(kernels, "plan", unreadable)  # whatever goes wrong in planning, the run goes on without it
+    monkeypatch.setattr(launch_plan, "plan", unreadable)  # whatever goes wrong in planning, the run goes on without it
     assert runner._warmup_launches([cpu]) == ([], "")
     monkeypatch.setattr(warmup, "usable", lambda: True)
     monkeypatch.setenv(warmup.ENV, "off")
@@ -259,7 +259,7 @@ def waited_keys(tmp: str) -> dict:
             runner.run(str(path), out_root=root / "a", force=True)
         finally:
             warmup._ACTIVE = None
-        launches = kernels.plan([recipe], config, arch_for(config), torch.float32)
+        launches = launch_plan.plan([recipe], config, arch_for(config), torch.float32)
         phase[0] = "warm"
         warmup.run_launches(launches, "cpu")
         planned = list(dict.fromkeys(warmup.key_of(x) for x in launches))
