@@ -140,29 +140,29 @@ async def stream_one(client: httpx.AsyncClient, body: dict, stop_after: int | No
         return error_kind(exc=e), chunks
 
 
-async def load(client: httpx.AsyncClient, model: str, n: int, concurrency: int, max_tokens: int, seed: int) -> dict:
-    """Phase 1: n streamed requests, at most `concurrency` in flight."""
+async def load(client: httpx.AsyncClient, model: str, n: int, concurrency: int, max_tokens: int, seed: int,
+               fig: dict) -> None:
+    """Phase 1: n streamed requests, at most `concurrency` in flight; `fig` is updated as each one ends, so a
+    global timeout still leaves the counts reached so far."""
     rng, sem = random.Random(seed), asyncio.Semaphore(concurrency)
     bodies = [{"model": model, "prompt": prompt(rng), "max_tokens": max_tokens, "stream": True,
                "ignore_eos": True, "temperature": 0} for _ in range(n)]
-    errors, tokens, done, short = Counter(), 0, 0, 0
+    fig.update({"requests": n, "concurrency": concurrency, "max_tokens": max_tokens, "completed": 0,
+                "completed_short": 0, "errors": {}, "tokens": 0})
+    t0 = time.perf_counter()
 
     async def one(body):
-        nonlocal tokens, done, short
         async with sem:
             err, got = await stream_one(client, body)
-        tokens += got
+        fig["tokens"] += got
         if err:
-            errors[err] += 1
+            fig["errors"][err] = fig["errors"].get(err, 0) + 1
         else:
-            done += 1
-            short += got < max_tokens
-    t0 = time.perf_counter()
+            fig["completed"] += 1
+            fig["completed_short"] += got < max_tokens
+        wall = time.perf_counter() - t0
+        fig["seconds"], fig["output_tok_s"] = round(wall, 1), round(fig["tokens"] / wall, 1)
     await asyncio.gather(*(one(b) for b in bodies))
-    wall = time.perf_counter() - t0
-    return {"requests": n, "concurrency": concurrency, "max_tokens": max_tokens, "completed": done,
-            "completed_short": short, "errors": dict(errors), "tokens": tokens, "seconds": round(wall, 1),
-            "output_tok_s": round(tokens / wall, 1) if wall else None}
 
 
 async def disconnects(client: httpx.AsyncClient, model: str, n: int, after: int, max_tokens: int) -> dict:
@@ -201,20 +201,20 @@ async def still_serving(client: httpx.AsyncClient, model: str) -> dict:
         return {"status": None, "answered": False, "error": error_kind(exc=e)}
 
 
-async def phases(url: str, a) -> dict:
-    """Models, then the four phases in order, each result kept even when a later one fails."""
+async def phases(url: str, a, out: dict) -> None:
+    """Models, then the four phases in order, into `out`: what finished stays there when a later one fails or
+    the global timeout cancels it."""
     limits = httpx.Limits(max_connections=a.concurrency + a.disconnects + 8, max_keepalive_connections=0)
     timeout = httpx.Timeout(a.request_timeout, connect=30)
-    out = {}
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
         card = (await client.get("/v1/models")).json()["data"][0]
         model, max_len = card["id"], int(card.get("max_model_len") or 0)
         out["model"], out["max_model_len"] = model, max_len
-        out["load"] = await load(client, model, a.requests, a.concurrency, a.max_tokens, a.seed)
+        out["load"] = {}
+        await load(client, model, a.requests, a.concurrency, a.max_tokens, a.seed, out["load"])
         out["disconnects"] = await disconnects(client, model, a.disconnects, a.disconnect_after, a.max_tokens)
         out["over_length"] = await over_length(client, model, max_len)
         out["after"] = await still_serving(client, model)
-    return out
 
 
 # --- the server -----------------------------------------------------------------------------------------------
@@ -285,7 +285,7 @@ def run(a) -> dict:
         rec["rss_before"] = before
         left = deadline - time.monotonic()
         try:
-            rec.update(asyncio.run(asyncio.wait_for(phases(url, a), timeout=left)))
+            asyncio.run(asyncio.wait_for(phases(url, a, rec), timeout=left))
         except asyncio.TimeoutError:
             rec["timed_out"] = f"the global timeout ({a.timeout} s) passed during the load"
         after = rss(proc)
