@@ -282,10 +282,6 @@ def _refuse_without_int4_kernel(model_dir: Path) -> None:
         raise ServeError(f"{model_dir} holds 4-bit weights and cannot be served here: {why}")
 
 
-if __name__ == "__main__":
-    sys.exit(run_main(main))
-
-
 INT4_MISSING = ("vLLM's CPU build on this processor (no AVX-512: its AVX2 library is loaded) has no 4-bit kernel "
                 "(torch.ops._C.cpu_gemm_wna16): 4-bit artifacts load but fail on their first request; serve them "
                 "on a CUDA host or an AVX-512 CPU")
@@ -342,3 +338,7 @@ def _probe_key() -> str | None:
     parts = [vllm_version(), spec.origin, os.stat(spec.origin).st_mtime_ns, metadata.version("torch"), sys.executable,
              flags or f"{platform.machine()} {platform.processor()}", INT4_PROBE]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))
