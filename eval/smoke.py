@@ -110,6 +110,8 @@ def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str
                  "endpoint": path, "endpoint_why": serve_config.why_endpoint(path), "vllm_version": vllm_version()}
     extra = {"dtype": dtype} if serve_config.read(artifact) else {"served-model-name": artifact.name,
                                                                    "dtype": dtype, "max-model-len": 512}
+    if cuda_build():
+        extra["gpu-memory-utilization"] = out["gpu_memory_utilization"] = _gpu_share(artifact)
     with tempfile.TemporaryDirectory(prefix="smoke-") as work:
         log = Path(work) / "server.log"
         try:
@@ -149,6 +151,16 @@ def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str
     out["samples"] = [{"prompt": p, "completion": tokenizer.decode(g)} for p, g in zip(PROMPTS, res["generations"])]
     out["passed"] = all(out["checks"].values())
     return out
+
+
+def _gpu_share(artifact: Path) -> float:
+    """vLLM's gpu_memory_utilization for the smoke server: the serve config's (vLLM's 0.9 without one), lowered to
+    what is free now. vLLM refuses to start when less than that share of the card is free, and this process still
+    holds its CUDA context and the quantize stage's cached blocks (released here first)."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    wanted = float((serve_config.read(artifact) or {}).get("gpu-memory-utilization", 0.9))
+    return round(min(wanted, free / total - 0.03), 3)
 
 
 def _check_kernels(out: dict, predicted: dict | None, tp: int) -> None:
