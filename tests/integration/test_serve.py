@@ -75,10 +75,14 @@ def test_preflight_refuses_serve_settings_the_model_cannot_take(tiny_llama, tmp_
 
 
 def _api_servers() -> set[int]:
+    """This interpreter's vLLM servers: another test run on the same machine (another checkout's venv) starts and
+    stops its own, which must not count here."""
     import subprocess
+    import sys
 
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return {int(ln.split()[0]) for ln in ps.splitlines() if "eval.vllm_server" in ln}
+    return {int(ln.split()[0]) for ln in ps.splitlines()
+            if "eval.vllm_server" in ln and ln.split(None, 1)[1].startswith(sys.executable)}
 
 
 @pytest.mark.vllm
