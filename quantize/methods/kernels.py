@@ -10,8 +10,9 @@ from collections.abc import Callable
 import torch
 
 from . import warmup
-from .awq_search import TORCH_FQ, FakeQuant, search_clip
-from .gptq_sweep import TORCH_SWEEP, Sweep
+from . import awq_search, gptq_sweep as sweeps
+from .awq_search import FakeQuant
+from .gptq_sweep import Sweep
 from ..errors import UserError
 
 
@@ -34,7 +35,7 @@ def gptq_sweep(kernel: str, device: torch.device) -> Sweep:
     when triton imports, else torch's. Both give the same codes; Triton's is the fast one on a GPU."""
     module = _triton_module("gptq_triton", kernel, device, "advanced.gptq.kernel")
     if module is None:
-        return TORCH_SWEEP
+        return sweeps.TORCH_SWEEP
 
     def sweep(W, W0, A, t, scales, zeros, gidx, g, spec):
         warmup.wait("gptq_triton", spec.group)  # a side process may be compiling it (`warmup`)
@@ -48,13 +49,13 @@ def awq_clip(kernel: str, device: torch.device) -> Callable:
     The kernel takes power-of-two groups of 16 to 128 columns; other weights go to torch's search."""
     module = _triton_module("awq_clip_triton", kernel, device, "advanced.awq.clip_kernel")
     if module is None:
-        return search_clip
+        return awq_search.search_clip
 
     def search(w, gram, spec, n_grid=20, max_shrink=0.5, per_side=False):
         if module.supports(w, spec.group):
             warmup.wait("awq_clip_triton", spec.group)
             return module.search_clip_triton(w, gram, spec, n_grid, max_shrink, per_side)
-        return search_clip(w, gram, spec, n_grid, max_shrink, per_side)
+        return awq_search.search_clip(w, gram, spec, n_grid, max_shrink, per_side)
     return search
 
 
@@ -64,19 +65,19 @@ def awq_fake_quant(kernel: str, device: torch.device) -> FakeQuant:
     imports, else torch's. The kernel takes power-of-two groups of 16 to 128 columns; other weights go to torch."""
     module = _triton_module("awq_fq_triton", kernel, device, "advanced.awq.search_kernel")
     if module is None:
-        return TORCH_FQ
+        return awq_search.TORCH_FQ
 
     def candidate(w, s, spec):
         if module.supports(w, spec.group):
             warmup.wait("awq_fq_triton", spec.group)
             return module.scaled_fake_quant_triton(w, s, spec)
-        return TORCH_FQ.candidate(w, s, spec)
+        return awq_search.TORCH_FQ.candidate(w, s, spec)
 
     def delta(w, s, spec, out):
         if module.supports(w, spec.group) and out.stride(1) == 1:
             warmup.wait("awq_fq_triton", spec.group)
             return module.scaled_fake_quant_triton(w, s, spec, delta=True, out=out)
-        return TORCH_FQ.delta(w, s, spec, out)
+        return awq_search.TORCH_FQ.delta(w, s, spec, out)
     return FakeQuant("triton", candidate, delta)
 
 
