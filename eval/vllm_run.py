@@ -4,8 +4,8 @@ vLLM is started in a child process (it forks EngineCore workers, needs a `__main
 shut down normally), so a crash or a refusal to load becomes a clear error in the parent, never a
 hang or an orphaned process. The child writes JSON; the parent reads it.
 
-    python -m eval.vllm_run --model DIR --prompts prompts.json --out result.json
-prompts.json: {"token_ids": [[...], ...], "top_k": 5, "max_tokens": 8}
+    python -m eval.vllm_run --prompts prompts.json --out result.json
+prompts.json: {"models": [DIR, ...], "token_ids": [[...], ...], "top_k": 5, "max_tokens": 8, ...}
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from quantize import files
 from quantize.errors import UserError
 
 from . import child
@@ -83,25 +84,74 @@ def run_vllm(model_dir: Path, token_ids: list[list[int]], top_k: int = 5, max_to
     host RAM and refuses to start when other processes hold it), 0.85 on a GPU (this process holds no model
     there while vLLM runs).
     """
+    [res] = run_vllm_many([model_dir], token_ids, top_k, max_tokens, dtype, timeout, max_model_len, memory_fraction,
+                          in_process_engine=False)
+    if "error" in res:
+        raise VllmError(res["error"])
+    return res
+
+
+def run_vllm_many(model_dirs: list[Path], token_ids: list[list[int]], top_k: int = 5, max_tokens: int = 8,
+                  dtype: str = "float16", timeout: float = 600, max_model_len: int = 512,
+                  memory_fraction: float | None = None, in_process_engine: bool = True) -> list[dict]:
+    """Each directory loaded in turn by one vLLM child -> per directory what `run_vllm` returns, or {"error": why}
+    where vLLM refused or failed it (the rest still run).
+
+    One child imports vLLM once; with `in_process_engine` its engine runs in that process (vLLM's
+    VLLM_ENABLE_V1_MULTIPROCESSING=0) instead of a process of its own per model: a long matrix of small
+    artifacts costs one start-up, not one each. `timeout` is per directory.
+    """
     if memory_fraction is None:
         memory_fraction = GPU_MEMORY_FRACTION if cuda_build() else 0.3
     with tempfile.TemporaryDirectory(prefix="vllm-run-") as work_s:
         work = Path(work_s)
         (work / "prompts.json").write_text(json.dumps(
-            {"token_ids": token_ids, "top_k": top_k, "max_tokens": max_tokens, "dtype": dtype,
-             "max_model_len": max_model_len, "gpu_memory_utilization": memory_fraction}))
-        cmd = [sys.executable, "-m", "eval.vllm_run", "--model", str(model_dir), "--prompts",
-               str(work / "prompts.json"), "--out", str(work / "out.json")]
+            {"models": [str(m) for m in model_dirs], "token_ids": token_ids, "top_k": top_k,
+             "max_tokens": max_tokens, "dtype": dtype, "max_model_len": max_model_len,
+             "gpu_memory_utilization": memory_fraction}))
+        env = vllm_env(work)
+        if in_process_engine:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        cmd = [sys.executable, "-m", "eval.vllm_run", "--prompts", str(work / "prompts.json"),
+               "--out", str(work / "out.json")]
         try:
-            proc = child.run(cmd, vllm_env(work), timeout=timeout, cwd=Path(__file__).resolve().parent.parent)
-        except subprocess.TimeoutExpired as e:
-            raise VllmError(f"vLLM did not finish within {timeout:.0f} s on {model_dir}") from e
-        result = whole_json(work / "out.json")
-        log = (proc.stdout or "") + (proc.stderr or "")
-        if result is None or not (proc.returncode == 0 or teardown_abort(proc.returncode, log)):
-            raise VllmError(f"vLLM failed on {model_dir} (exit {proc.returncode}):\n{root_cause(log)}")
-        result["kernels"] = kernels_from_log(log)
-        return result
+            proc = child.run(cmd, env, timeout=timeout * len(model_dirs), cwd=Path(__file__).resolve().parent.parent)
+        except subprocess.TimeoutExpired:
+            proc = None
+        done = (whole_json(work / "out.json") or {}).get("results", [])
+        logs = _per_model(proc.stdout or "", len(model_dirs)) if proc else [""] * len(model_dirs)
+        errs = _per_model(proc.stderr or "", len(model_dirs)) if proc else [""] * len(model_dirs)
+        out = []
+        for i, m in enumerate(model_dirs):
+            log = logs[i] + errs[i]
+            res = done[i] if i < len(done) else None
+            if proc is None and res is None:
+                out.append({"error": f"vLLM did not finish within {timeout:.0f} s per directory on {m}"})
+            elif i > len(done):
+                out.append({"error": f"vLLM never reached {m}: its process ended on an earlier directory"})
+            elif res is None or "error" in res:
+                why = res["error"] if res else f"exit {proc.returncode}"
+                out.append({"error": f"vLLM failed on {m} ({why}):\n{root_cause(log)}"})
+            elif i == len(model_dirs) - 1 and not (proc.returncode == 0 or teardown_abort(proc.returncode, log)):
+                out.append({"error": f"vLLM failed on {m} (exit {proc.returncode}):\n{root_cause(log)}"})
+            else:
+                out.append({**res, "kernels": kernels_from_log(log)})
+        return out
+
+
+MARK = "@@ quantize vllm_run model "  # the child's line before each model's load: splits its output per model
+
+
+def _per_model(text: str, n: int) -> list[str]:
+    """The child's output cut at its MARK lines -> one part per model (whatever came before the first goes with
+    the first; a model never reached gets "")."""
+    parts = [""] * n
+    i = 0
+    for line in text.splitlines(keepends=True):
+        if line.startswith(MARK):
+            i = int(line[len(MARK):].split()[0])
+        parts[min(i, n - 1)] += line
+    return parts
 
 
 def teardown_abort(returncode: int, log: str) -> bool:
@@ -182,25 +232,64 @@ def shut_down(*llms, wait_s: float = 10) -> None:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def _child(model: str, prompts_path: str, out_path: str) -> None:
+def _child(prompts_path: str, out_path: str) -> None:
     spec = json.loads(Path(prompts_path).read_text())
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    llm = LLM(model=model, dtype=spec["dtype"], enforce_eager=True, max_model_len=spec["max_model_len"],
-              seed=0, max_num_seqs=8, gpu_memory_utilization=spec["gpu_memory_utilization"])
-    load_s = time.perf_counter() - t0
     from vllm.platforms import current_platform
 
+    import_s = time.perf_counter() - t0
     device = torch.cuda.get_device_name(0) if current_platform.is_cuda() else current_platform.device_type
+    results: list[dict] = []
+    for i, model in enumerate(spec["models"]):
+        for stream in (sys.stdout, sys.stderr):
+            print(f"{MARK}{i} {model}", file=stream, flush=True)
+        t1 = time.perf_counter()
+        llm = None
+        try:
+            llm = LLM(model=model, dtype=spec["dtype"], enforce_eager=True, max_model_len=spec["max_model_len"],
+                      seed=0, max_num_seqs=8, gpu_memory_utilization=spec["gpu_memory_utilization"])
+            result = _ask(llm, spec, SamplingParams, TokensPrompt)
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":  # the model is in this process
+                result["linear_kernels"] = llm.apply_model(linear_kernels)[0]
+            result.update(load_s=(import_s if i == 0 else 0.0) + result.pop("init_s") - t1, device=device)
+        except Exception as e:  # noqa: BLE001 - vLLM's refusal of one directory is that directory's result
+            print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            result = {"error": type(e).__name__}
+        results.append(result)
+        files.atomic_write_text(Path(out_path), json.dumps({"results": results}))
+        if llm is not None:
+            shut_down(llm)
+            del llm
+        if len(spec["models"]) > 1:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()  # vLLM's own reset between engines in one process
+
+
+def linear_kernels(model) -> dict[str, int]:
+    """The kernel class each quantized linear of a loaded vLLM model runs, counted: {"MacheteLinearKernel": 196}.
+    vLLM logs its choice once per process and method, so in a process that loads several models the log does not
+    say it for each; the layers do (the method's `kernel`, or a compressed-tensors scheme's)."""
+    found: dict[str, int] = {}
+    for m in model.modules():
+        owner = getattr(m, "scheme", None) or getattr(m, "quant_method", None)
+        kernel = getattr(owner, "kernel", None)
+        if kernel is not None:
+            found[type(kernel).__name__] = found.get(type(kernel).__name__, 0) + 1
+    return found
+
+
+def _ask(llm, spec: dict, SamplingParams, TokensPrompt) -> dict:
+    """Prompt logprobs and greedy generations of one loaded `LLM`."""
+    init_s = time.perf_counter()
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["token_ids"]]
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=spec["top_k"],
                             prompt_logprobs=spec["top_k"])
-    t1 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    gen_s = time.perf_counter() - t1
-    result = {"load_s": load_s, "generate_s": gen_s, "device": device, "prompt_logprobs": [], "generations": [], "gen_logprobs": []}
+    result = {"init_s": init_s, "generate_s": time.perf_counter() - init_s, "prompt_logprobs": [],
+              "generations": [], "gen_logprobs": []}
     for o in outputs:
         # prompt_logprobs[0] is None (no prediction for the first token); keep position -> {token: logprob}
         result["prompt_logprobs"].append(
@@ -209,18 +298,15 @@ def _child(model: str, prompts_path: str, out_path: str) -> None:
         result["generations"].append(list(c.token_ids))
         result["gen_logprobs"].append([{str(t): lp.logprob for t, lp in d.items()} for d in (c.logprobs or [])])
     cfg = llm.llm_engine.vllm_config if hasattr(llm.llm_engine, "vllm_config") else None
-    qc = getattr(getattr(cfg, "model_config", None), "quantization", None)
-    result["quantization"] = qc
+    result["quantization"] = getattr(getattr(cfg, "model_config", None), "quantization", None)
     result["generated_tokens"] = sum(len(g) for g in result["generations"])
-    Path(out_path).write_text(json.dumps(result))
-    shut_down(llm)
+    return result
 
 
 if __name__ == "__main__":
     child.watch_parent()  # before vLLM starts its engine: the group dies with whoever started this run
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    _child(a.model, a.prompts, a.out)
+    _child(a.prompts, a.out)

@@ -9,7 +9,9 @@ from safetensors.torch import load_file, save_file
 
 from eval.agreement import hf_logprobs, prompt_logprob_delta
 from eval.artifact import load_dequantized
-from eval.vllm_run import run_vllm
+import json
+
+from eval.vllm_run import run_vllm, run_vllm_many
 from quantize import runner
 from quantize.formats.awq_gemm import AWQ_ORDER
 from quantize.formats.packing import pack_int32, unpack_int32
@@ -40,6 +42,26 @@ def test_vllm_matches_our_decoding(fixture, request, tmp_path):
     assert d["n"] >= 3 * 23 * 5
     assert d["mean_abs_delta"] < 0.01, d
     assert all(len(g) == 4 for g in res["generations"])
+
+
+def test_one_vllm_child_runs_several_directories(tiny_llama, tmp_path):
+    """run_vllm_many: one child, its engine in-process, loads each directory in turn; a directory vLLM refuses is
+    that directory's error and the next one still loads and agrees with our decoding."""
+    out = runner.run(tiny_recipe(tmp_path, tiny_llama, name="tiny-many"), out_root=tmp_path / "a")
+    refused = tmp_path / "refused"
+    shutil.copytree(out, refused)
+    cfg = json.loads((refused / "config.json").read_text())
+    cfg["quantization_config"]["bits"] = 3  # vLLM's AWQ takes 4-bit weights only
+    (refused / "config.json").write_text(json.dumps(cfg))
+    ids = _prompts()
+    first, bad, again = run_vllm_many([out, refused, out], ids, top_k=5, max_tokens=2)
+    assert "error" in bad and "refused" in bad["error"] and "bit" in bad["error"], bad
+    hf = hf_logprobs(load_dequantized(out, torch.float32), ids)
+    assert first["kernels"], first  # its log lines name the kernel; the second load's do not (vLLM logs it once)
+    for res in (first, again):
+        assert "error" not in res, res
+        assert sum(res["linear_kernels"].values()) == 8, res["linear_kernels"]  # 2 layers x (qkv, o, gate_up, down)
+        assert prompt_logprob_delta(res["prompt_logprobs"], hf)["mean_abs_delta"] < 0.01
 
 
 def test_wrong_nibble_order_is_caught(tiny_llama, tmp_path):
