@@ -29,7 +29,7 @@ from . import distribution, lmeval, refcache
 from .artifact import load_dequantized
 from .readable import machine, seconds_text
 from .perplexity import EvalInputError, Protocol, batch_windows, load_eval_text, perplexity, protocol_record, windows
-from .smoke import smoke, vllm_unavailable
+from .smoke import decode_check, smoke, vllm_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -349,6 +349,8 @@ def _evaluate(artifact: Path, base_spec: str, eopts, manifest: Manifest | None, 
     t0 = time.perf_counter()
     quantized = load_dequantized(artifact, dtype, device)
     timings["load_quantized"] = round(time.perf_counter() - t0, 2)
+    if smoke_res.get("token_ids"):
+        decode_check(smoke_res, quantized, eopts.vllm.min_decode_agreement)
     q = perplexity(quantized, wins, ctx["batch"], "quantized", reference=fp["topk"])
     timings["perplexity_quantized"] = q["seconds"]
     if storing is not None:
@@ -478,8 +480,11 @@ def render_markdown(r: Report) -> str:
         if s.checks.get("loaded"):
             lines += [f"Method `{s.method}` (artifact declares `{s.expected_method}`); kernels: "
                       f"{', '.join(s.kernels or ['not logged'])}; load {s.load_s} s; "
-                      f"{s.tokens_per_s} generated tokens/s; teacher-forced agreement with FP16: "
-                      f"{s.token_agreement}", "", "| prompt | completion |", "|---|---|"]
+                      f"{s.tokens_per_s} generated tokens/s; teacher-forced top-1 agreement of its greedy tokens "
+                      f"with FP16: {s.token_agreement}, with our own decoding of the artifact: "
+                      f"{s.decode_agreement if s.decode_agreement is not None else 'not measured'}",
+                      *([f"", modelcard.capacity_sentence(s.capacity_check)] if s.capacity_check else []),
+                      "", "| prompt | completion |", "|---|---|"]
             for x in s.samples:
                 esc = lambda t: t.replace("|", "\\|").replace("\n", "⏎")  # noqa: E731
                 lines.append(f"| {esc(x['prompt'])} | {esc(x['completion'])} |")

@@ -10,7 +10,12 @@ Checks (each recorded in the report, any failure fails the smoke test):
     CUDA GPU the kernels it logged are those pre-flight's deployability table predicted for that GPU;
 (b) greedy output is not degenerate (no empty output, no single token repeated over most of it, finite logprobs);
 (c) teacher-forced agreement: feeding the prompt plus vLLM's greedy tokens to the FP16 model, its own top-1
-    choice equals vLLM's token at least `min_token_agreement` of the time (no divergence cascade).
+    choice equals vLLM's token at least `min_token_agreement` of the time (no divergence cascade; a quality gate,
+    off where the recipe sets it null);
+(d) the same against our own decoding of the artifact, at least `min_decode_agreement` of the time: vLLM's
+    kernels compute what the files say (`decode_check`, run by the report once it has loaded the artifact).
+On a CUDA GPU the KV cache vLLM allocated is also set beside the capacity arithmetic of the model card
+(`capacity_check`: recorded, not a check).
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ import torch
 import httpx
 
 from quantize import formats
-from quantize.export import serve_config
+from quantize.export import capacity, serve_config
 from quantize.preflight import deploy
 from quantize.preflight.deploy import vllm_version
 
 from .serve import INT4_MISSING, Server, ServeError, ask, int4_kernel_missing, post, served_models
+from .serving import log_figures
 from .vllm_run import VllmError, cuda_build, kernels_from_log, root_cause
 
 PROMPTS = (
@@ -86,7 +92,7 @@ def vllm_unavailable() -> str | None:
 
 
 def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str = "float16", max_tokens: int = 32,
-          min_agreement: float = 0.6, timeout: float = 600, predicted: dict | None = None) -> dict:
+          min_agreement: float | None = 0.6, timeout: float = 600, predicted: dict | None = None) -> dict:
     """-> {passed, checks, errors, served_name, endpoint, load_s, tokens_per_s, method, kernels, samples, answer};
     never raises on a vLLM failure.
 
@@ -124,7 +130,9 @@ def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str
             out["checks"]["loaded"] = False
             return out
         text = log.read_text(errors="replace")
-    out.update(method=_method_from_log(text), kernels=kernels_from_log(text))
+    out.update(method=_method_from_log(text), kernels=kernels_from_log(text), memory=log_figures(text))
+    if cuda_build():
+        out["capacity_check"] = capacity_check(artifact, out["memory"], out["gpu_memory_utilization"])
     fmt = formats.by_quant_method(expected)
     ok_method = out["method"] in (fmt.reported_as if fmt else {expected})
     out["checks"]["method"] = ok_method
@@ -142,15 +150,52 @@ def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str
     out["checks"]["not_degenerate"] = not bad
     for i, why in bad:
         out["errors"].append(f"prompt {i} ({PROMPTS[i]!r}): degenerate output: {why}")
+    out["token_ids"] = {"prompts": prompts, "generations": res["generations"]}  # for decode_check, and to replay
     agreement = teacher_forced_agreement(reference(), prompts, res["generations"])
     out["token_agreement"] = round(agreement, 4)
-    out["checks"]["agreement"] = agreement >= min_agreement
-    if agreement < min_agreement:
-        out["errors"].append(f"teacher-forced top-1 agreement with the FP16 model {agreement:.3f} < "
-                             f"eval.vllm.min_token_agreement {min_agreement}")
+    if min_agreement is not None:
+        out["checks"]["agreement"] = agreement >= min_agreement
+        if agreement < min_agreement:
+            out["errors"].append(f"teacher-forced top-1 agreement with the FP16 model {agreement:.3f} < "
+                                 f"eval.vllm.min_token_agreement {min_agreement}")
     out["samples"] = [{"prompt": p, "completion": tokenizer.decode(g)} for p, g in zip(PROMPTS, res["generations"])]
     out["passed"] = all(out["checks"].values())
     return out
+
+
+def decode_check(out: dict, decoded, min_agreement: float) -> None:
+    """vLLM's greedy tokens against our own decoding of the artifact (`decoded`, the model the report scores):
+    teacher-forced top-1 agreement into out["decode_agreement"] and out["checks"]["decodes_as_ours"], `passed`
+    updated. Independent of how good the quantization is: a kernel that reads the layout otherwise than we wrote
+    it fails here, on real and random weights alike."""
+    ids = out.get("token_ids")
+    if not ids:  # the smoke stopped before generating: its errors say why
+        return
+    agreement = teacher_forced_agreement(decoded, ids["prompts"], ids["generations"])
+    out["decode_agreement"] = round(agreement, 4)
+    out["checks"]["decodes_as_ours"] = agreement >= min_agreement
+    if agreement < min_agreement:
+        out["errors"].append(f"teacher-forced top-1 agreement with our own decoding of the artifact {agreement:.3f} "
+                             f"< eval.vllm.min_decode_agreement {min_agreement}: vLLM's kernels do not compute what "
+                             "the files hold")
+    out["passed"] = all(out["checks"].values())
+
+
+def capacity_check(artifact: Path, memory: dict, utilization: float) -> dict | None:
+    """The model card's capacity arithmetic (quantize/export/capacity.py) for the share of this GPU the smoke gave
+    vLLM, beside the KV cache vLLM allocated: (utilization x GPU bytes - weight bytes) / KV bytes per token."""
+    if not memory.get("kv_cache_tokens"):
+        return None
+    config = json.loads((artifact / "config.json").read_text())
+    kv_dtype = (serve_config.read(artifact) or {}).get("kv-cache-dtype")
+    per_token = capacity.kv_bytes_per_token(config, 1 if str(kv_dtype).startswith("fp8") else 2)
+    weights = sum(f.stat().st_size for f in artifact.glob("*.safetensors"))
+    total = torch.cuda.get_device_properties(0).total_memory
+    predicted = int((utilization * total - weights) // per_token)
+    vllm_tokens = memory["kv_cache_tokens"]
+    return {"gpu": torch.cuda.get_device_name(0), "gpu_total_bytes": total, "gpu_memory_utilization": utilization,
+            "weight_bytes": weights, "kv_bytes_per_token": per_token, "predicted_kv_tokens": predicted,
+            "vllm_kv_tokens": vllm_tokens, "difference_pct": round(100 * (vllm_tokens - predicted) / predicted, 2)}
 
 
 def _gpu_share(artifact: Path) -> float:

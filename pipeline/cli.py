@@ -136,8 +136,8 @@ def run_eval(artifact: Path, base: str | None, eopts, cache: dict | None = None,
     if s.skipped is not None:
         print(f"vLLM smoke: skipped ({s.skipped})")
     else:
-        print(f"vLLM smoke: {'passed' if s.passed else 'FAILED'}; method {s.method}, "
-              f"agreement {s.token_agreement}, load {s.load_s} s, {s.tokens_per_s} tok/s")
+        print(f"vLLM smoke: {'passed' if s.passed else 'FAILED'}; method {s.method}, agreement with FP16 "
+              f"{s.token_agreement}, with our decoding {s.decode_agreement}, load {s.load_s} s, {s.tokens_per_s} tok/s")
     for e in r.failures:
         print(f"FAILED: {e}", file=sys.stderr)
     print(f"report: {artifact / 'report.md'}")

@@ -337,6 +337,12 @@ class Smoke(Record):
     kernels: list[str] | None = None
     tokens_per_s: Num | None = None
     token_agreement: Num | None = None
+    decode_agreement: Num | None = None  # against our own decoding of the artifact (absent in older reports)
+    token_ids: dict[str, list[list[int]]] | None = None  # the prompts' ids and vLLM's greedy tokens
+    memory: dict[str, Num | None] | None = None  # what vLLM logged: weights_gib, kv_cache_gib, kv_cache_tokens
+    capacity_check: dict[str, Any] | None = None  # on a CUDA GPU: the card's arithmetic beside vLLM's KV tokens
+    gpu_memory_utilization: Num | None = None
+    kernel_check: dict[str, Any] | None = None
     samples: list[dict[str, str]] = []
     answer: dict[str, Any] | None = None
     wrong_name: str | None = None

@@ -140,6 +140,15 @@ def scored_sentence(report: Report) -> str:
     return f"both models scored on {s.device} in {s.dtype}{cached}"
 
 
+def capacity_sentence(c: dict) -> str:
+    """The Deployment section's arithmetic set beside the KV cache vLLM allocated in the smoke-load."""
+    return (f"Capacity checked on {c['gpu']}: at gpu_memory_utilization {c['gpu_memory_utilization']} of "
+            f"{c['gpu_total_bytes'] / 2**30:.1f} GiB, the Deployment section's arithmetic gives "
+            f"{c['predicted_kv_tokens']:,} tokens of KV cache; vLLM allocated {c['vllm_kv_tokens']:,} "
+            f"({c['difference_pct']:+.1f} %: it also holds activations and its sampler's buffers, which the "
+            "arithmetic leaves out).")
+
+
 def _evaluation(report: Report | None) -> list[str]:
     if report is None:
         return ["Not evaluated yet: run `make eval RECIPE=<name>` (perplexity against the FP16 base and a vLLM "
@@ -158,8 +167,11 @@ def _evaluation(report: Report | None) -> list[str]:
         lines.append(f"vLLM smoke-load: skipped ({s.skipped}).")
     else:
         under = f"vLLM {s.vllm_version}, " if s.vllm_version else ""
+        decoded = f", with our own decoding {s.decode_agreement}" if s.decode_agreement is not None else ""
         lines.append(f"vLLM smoke-load: **{'passed' if s.passed else 'FAILED'}** ({under}vLLM method `{s.method}`, "
-                     f"teacher-forced top-1 agreement with FP16 {s.token_agreement}).")
+                     f"teacher-forced top-1 agreement with FP16 {s.token_agreement}{decoded}).")
+        if s.capacity_check:
+            lines += ["", capacity_sentence(s.capacity_check)]
     lines += ["", "Full report: `report.md` / `report.json` in this directory."]
     return lines
 

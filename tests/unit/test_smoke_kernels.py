@@ -1,8 +1,13 @@
 """On a CUDA GPU the smoke stage holds the kernels vLLM logged to pre-flight's deployability table for that GPU."""
 
+import json
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from eval import smoke
+from quantize.export.modelcard import capacity_sentence
 
 
 @pytest.mark.parametrize("logged,cell,agree", [
@@ -61,3 +66,55 @@ def test_the_smoke_server_asks_for_no_more_of_the_gpu_than_is_free(monkeypatch, 
     assert smoke._gpu_share(tmp_path) == 0.92
     monkeypatch.setattr(smoke.serve_config, "read", lambda artifact: None)  # another tool's directory: vLLM's 0.9
     assert smoke._gpu_share(tmp_path) == 0.9
+
+
+class _NextIsPlusOne(torch.nn.Module):
+    """A stand-in decoder whose top-1 after token t is t + 1 (mod vocab)."""
+
+    def __init__(self, vocab=16):
+        super().__init__()
+        self.vocab = vocab
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, use_cache=False):
+        return SimpleNamespace(logits=torch.nn.functional.one_hot((input_ids + 1) % self.vocab, self.vocab).float())
+
+
+def _smoked(generations):
+    return {"passed": True, "checks": {"loaded": True}, "errors": [],
+            "token_ids": {"prompts": [[1, 2], [5]], "generations": generations}}
+
+
+def test_decode_check_passes_tokens_our_decoding_would_choose():
+    out = _smoked([[3, 4, 5], [6, 7]])
+    smoke.decode_check(out, _NextIsPlusOne(), 0.75)
+    assert out["decode_agreement"] == 1.0 and out["checks"]["decodes_as_ours"] is True and out["passed"] is True
+
+
+def test_decode_check_fails_tokens_our_decoding_would_not_choose():
+    out = _smoked([[3, 9, 9], [6, 9]])  # 2 of 5 as ours would choose
+    smoke.decode_check(out, _NextIsPlusOne(), 0.75)
+    assert out["decode_agreement"] == 0.4 and out["passed"] is False
+    assert "our own decoding of the artifact 0.400 < eval.vllm.min_decode_agreement 0.75" in out["errors"][0]
+
+
+def test_decode_check_leaves_a_smoke_that_never_generated_alone():
+    out = {"passed": False, "checks": {"loaded": False}, "errors": ["vLLM refused"]}
+    smoke.decode_check(out, _NextIsPlusOne(), 0.75)
+    assert out == {"passed": False, "checks": {"loaded": False}, "errors": ["vLLM refused"]}
+
+
+def test_capacity_check_sets_the_cards_arithmetic_beside_vllms_tokens(monkeypatch, tmp_path):
+    config = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    monkeypatch.setattr(smoke.torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=10**6))
+    monkeypatch.setattr(smoke.torch.cuda, "get_device_name", lambda i: "Some GPU")
+    per_token = 2 * 28 * 4 * 128 * 2  # K and V, layers, KV heads, head dim, float16
+    c = smoke.capacity_check(tmp_path, {"kv_cache_tokens": 20}, 0.5)
+    assert c["kv_bytes_per_token"] == per_token
+    assert c["predicted_kv_tokens"] == (500_000 - 1000) // per_token == 8
+    assert c["vllm_kv_tokens"] == 20 and c["difference_pct"] == 150.0
+    assert smoke.capacity_check(tmp_path, {"kv_cache_tokens": None}, 0.5) is None
+    text = capacity_sentence(c)
+    assert "gives 8 tokens of KV cache; vLLM allocated 20 (+150.0 %" in text and "Some GPU" in text
