@@ -1,14 +1,17 @@
 """vLLM's CUDA build (Marlin, Machete) against our own decoding of the same artifact: prompt logprobs agree within
 the CPU test's bound (tests/integration/test_vllm_load.py) for every format x group size x symmetric/asymmetric x
-act-order that vLLM serves, and a combination it refuses fails to load with vLLM's own reason.
+act-order that vLLM serves, and a combination it refuses is named with vLLM's own reason.
 
-Runs on a CUDA host with vLLM's CUDA build (`make venv` there): `.venv/bin/python -m pytest -m gpu tests/gpu`.
-The model is the Qwen2.5-7B shape cut to two decoder layers (bench/build_checkpoint.py), random init; its linears
-have the shapes the 7B serves with (3584 in, 18944 intermediate), which Marlin and Machete tile as they do for 7B.
+Runs on a CUDA host with vLLM's CUDA build (`make venv` there): `.venv/bin/python -m pytest -m gpu tests/gpu -rs`.
+Three shapes, each cut to two decoder layers of random-init weights (bench/build_checkpoint.py): Qwen2.5-7B (3584
+in, 18944 intermediate: the tiles Marlin and Machete pick for a 7B), Gemma 3 270M (640 / 2048, head dim 256) and
+SmolLM2-135M (576 / 1536: no group of 128 divides 576, so g32 and g64). Every artifact of a shape is loaded by one
+vLLM process in turn (`run_vllm_many`), which also reports the kernel each quantized linear ran.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +21,7 @@ import torch
 
 from eval.agreement import hf_logprobs, prompt_logprob_delta
 from eval.artifact import load_dequantized
-from eval.vllm_run import VllmError, run_vllm
+from eval.vllm_run import run_vllm_many
 from quantize import runner
 from tests.conftest import tiny_recipe
 
@@ -27,27 +30,32 @@ pytestmark = [pytest.mark.gpu,
 
 ROOT = Path(__file__).resolve().parents[2]
 BOUND = 0.01  # mean |Δ logprob| over every (position, top-5 token): the CPU test's bound
-
-# (format, group, symmetric, act_order): what a recipe can ask for; vLLM's answer decides which load
-COMBOS = [(fmt, g, sym, act) for fmt in ("awq", "gptq", "compressed-tensors") for g in (32, 64, 128)
-          for sym in (True, False) for act in (False, True)
-          if not (fmt == "awq" and (sym or act))]  # the AWQ GEMM layout always has zero points and no act-order
-
-
-@pytest.fixture(scope="module")
-def shape_7b_2layers(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ckpt") / "qwen7b-2l"
-    subprocess.run([sys.executable, str(ROOT / "bench/build_checkpoint.py"), "--config",
-                    str(ROOT / "bench/configs/qwen2.5-7b"), "--layers", "2", "--out", str(out)], check=True)
-    return out
+# shape -> (group sizes, the 16-bit dtype it is quantized and served in: vLLM refuses float16 for Gemma 3)
+SHAPES = {"qwen2.5-7b": ((32, 64, 128), "float16"), "gemma-3-270m": ((32, 64, 128), "bfloat16"),
+          "smollm2-135m": ((32, 64), "float16")}
+DEVICE = "cuda"
 
 
-def _recipe(tmp: Path, model: Path, fmt: str, g: int, sym: bool, act: bool) -> Path:
-    name = f"{fmt}-g{g}-{'sym' if sym else 'asym'}{'-act' if act else ''}"
+def combos(groups) -> list[tuple]:
+    """(format, group, symmetric, act_order): what a recipe can ask for; vLLM's answer decides which load."""
+    return [(fmt, g, sym, act) for fmt in ("awq", "gptq", "compressed-tensors") for g in groups
+            for sym in (True, False) for act in (False, True)
+            if not (fmt == "awq" and (sym or act))]  # the AWQ GEMM layout always has zero points and no act-order
+
+
+CASES = [(shape, *c) for shape, (groups, _) in SHAPES.items() for c in combos(groups)]
+
+
+def _name(fmt, g, sym, act) -> str:
+    return f"{fmt}-g{g}-{'sym' if sym else 'asym'}{'-act' if act else ''}"
+
+
+def _recipe(tmp: Path, model: Path, dtype: str, fmt: str, g: int, sym: bool, act: bool) -> Path:
+    name = _name(fmt, g, sym, act)
     if fmt == "awq":
-        return tiny_recipe(tmp, model, name=name, q_group_size=g, device="cuda")
+        return tiny_recipe(tmp, model, name=name, q_group_size=g, device=DEVICE, dtype=dtype)
     return tiny_recipe(tmp, model, name=name, method="gptq", format=fmt, q_group_size=g, zero_point=not sym,
-                       gptq=dict(act_order=act), device="cuda")
+                       gptq=dict(act_order=act), device=DEVICE, dtype=dtype)
 
 
 def _prompts(n=3, length=24, vocab=4096):
@@ -55,16 +63,53 @@ def _prompts(n=3, length=24, vocab=4096):
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("fmt,g,sym,act", COMBOS, ids=lambda v: str(v))
-def test_cuda_vllm_matches_our_decoding(fmt, g, sym, act, shape_7b_2layers, tmp_path):
-    out = runner.run(_recipe(tmp_path, shape_7b_2layers, fmt, g, sym, act), out_root=tmp_path / "a")
+def _selected(request) -> set[tuple]:
+    """The cases this session runs (`-k` may pick a few): only those are quantized and loaded."""
+    return {tuple(item.callspec.params[k] for k in ("shape", "fmt", "g", "sym", "act"))
+            for item in request.session.items
+            if getattr(item, "originalname", None) == "test_cuda_vllm_matches_our_decoding"}
+
+
+@pytest.fixture(scope="module")
+def measured(request, tmp_path_factory) -> dict:
+    """Each selected combination quantized, loaded by vLLM (one process per shape) and scored against our decoding:
+    {(shape, fmt, g, sym, act): {"delta": ..., "kernels": ...} or {"refused": vLLM's reason}}."""
+    os.environ["QUANTIZE_DEPLOY"] = "rules"  # pre-flight's table from the rules (checked equal to vLLM 0.26's)
+    selected = _selected(request)
+    out: dict = {}
     ids = _prompts()
-    try:
-        res = run_vllm(out, ids, top_k=5, max_tokens=4, memory_fraction=0.5)
-    except VllmError as e:
-        pytest.skip(f"vLLM refuses {fmt} g{g} {'sym' if sym else 'asym'} act-order {act}: {e}")
-    model = load_dequantized(out, torch.float32).to("cuda")
-    d = prompt_logprob_delta(res["prompt_logprobs"], hf_logprobs(model, ids))
-    print(fmt, g, sym, act, d, res.get("kernels"))
+    for shape, (groups, dtype) in SHAPES.items():
+        cases = [c for c in combos(groups) if (shape, *c) in selected]
+        if not cases:
+            continue
+        tmp = tmp_path_factory.mktemp(shape)
+        ckpt = tmp / "ckpt"
+        subprocess.run([sys.executable, str(ROOT / "bench/build_checkpoint.py"), "--config",
+                        str(ROOT / "bench/configs" / shape), "--layers", "2", "--device", DEVICE, "--out", str(ckpt)],
+                       check=True)
+        artifacts = [runner.run(_recipe(tmp, ckpt, dtype, *c), out_root=tmp / "a") for c in cases]
+        results = run_vllm_many(artifacts, ids, top_k=5, max_tokens=4, dtype=dtype, memory_fraction=0.3)
+        for c, art, res in zip(cases, artifacts, results):
+            if "error" in res:
+                out[(shape, *c)] = {"refused": res["error"]}
+                continue
+            model = load_dequantized(art, torch.float32).to(DEVICE)
+            out[(shape, *c)] = {"delta": prompt_logprob_delta(res["prompt_logprobs"], hf_logprobs(model, ids)),
+                                "kernels": res.get("linear_kernels")}
+            del model
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    for key, r in out.items():  # the whole matrix in the log, whatever the assertions say
+        print("agreement", *key, r.get("delta", {}).get("mean_abs_delta"), r.get("kernels") or r.get("refused"))
+    return out
+
+
+@pytest.mark.parametrize("shape,fmt,g,sym,act", CASES, ids=lambda v: str(v))
+def test_cuda_vllm_matches_our_decoding(shape, fmt, g, sym, act, measured):
+    r = measured[(shape, fmt, g, sym, act)]
+    if "refused" in r:
+        pytest.skip(f"vLLM refuses {shape} {_name(fmt, g, sym, act)}: {r['refused']}")
+    d = r["delta"]
     assert d["n"] >= 3 * 23 * 5
-    assert d["mean_abs_delta"] < BOUND, (d, res.get("kernels"))
+    assert d["mean_abs_delta"] < BOUND, (d, r["kernels"])
+    assert r["kernels"], r  # every quantized linear ran some 4-bit kernel
