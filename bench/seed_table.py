@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -28,21 +27,11 @@ sys.path.insert(0, str(ROOT))
 
 from eval.bench_serve import bench_command  # noqa: E402
 from eval.serve import Server  # noqa: E402
+from eval.serving import log_figures  # noqa: E402
 from eval.vllm_run import VllmError, root_cause, vllm_env  # noqa: E402
 from quantize.export.capacity import kv_bytes_per_token  # noqa: E402
 
 LOAD = {"concurrency": 32, "num_prompts": 128, "output_len": 256, "input_len": 256}
-
-
-def log_figures(text: str) -> dict:
-    """vLLM's start-up lines -> weights GiB, KV cache GiB, KV cache tokens."""
-    def last(pattern: str):
-        found = re.findall(pattern, text)
-        return found[-1] if found else None
-    w, kv, tok = (last(r"Model loading took ([\d.]+) GiB"), last(r"Available KV cache memory: ([\d.]+) GiB"),
-                  last(r"GPU KV cache size: ([\d,]+) tokens"))
-    return {"weights_gib": float(w) if w else None, "kv_cache_gib": float(kv) if kv else None,
-            "kv_cache_tokens": int(tok.replace(",", "")) if tok else None}
 
 
 def predicted_kv_tokens(model: Path, flags: dict, gpu_bytes: int) -> int:

@@ -34,6 +34,8 @@ from .vllm_run import VllmError, root_cause, vllm_env
 METRICS = (("output_throughput", "output tok/s"), ("request_throughput", "req/s"),
            ("p50_ttft_ms", "TTFT p50 ms"), ("p95_ttft_ms", "TTFT p95 ms"),
            ("p50_itl_ms", "ITL p50 ms"), ("p95_itl_ms", "ITL p95 ms"))
+# the default load: requests per level (at least the level), prompt tokens, output tokens per request
+NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 32, 128, 32
 
 
 def bench_command(url: str, name: str, model_dir: Path, concurrency: int, n: int, input_len: int, output_len: int,
@@ -167,10 +169,11 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="exit codes: 0 done; 2 a user error (one `error:` line); 3 either side failed")
     ap.add_argument("artifact", type=Path, help="an artifact directory written by `make quantize` (artifacts/<name>)")
-    ap.add_argument("--num-prompts", type=int, default=32,
-                    help="requests per concurrency level, at least the level (default 32)")
-    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
-    ap.add_argument("--output-len", type=int, default=32, help="output tokens per request, EOS ignored (default 32)")
+    ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS,
+                    help=f"requests per concurrency level, at least the level (default {NUM_PROMPTS})")
+    ap.add_argument("--input-len", type=int, default=INPUT_LEN, help=f"prompt tokens per request (default {INPUT_LEN})")
+    ap.add_argument("--output-len", type=int, default=OUTPUT_LEN,
+                    help=f"output tokens per request, EOS ignored (default {OUTPUT_LEN})")
     ap.add_argument("--concurrency", type=int, nargs="+", help="requests in flight, one run per level (default: the "
                                                                "recipe's serve.concurrency)")
     a = ap.parse_args(argv)
