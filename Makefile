@@ -103,15 +103,19 @@ bench-serve: $(STAMP)
 		$(if $(OUTPUT_LEN),--output-len $(OUTPUT_LEN)) $(if $(CONCURRENCY),--concurrency $(CONCURRENCY))
 
 # make compare RECIPES="smollm2-awq-g32 smollm2-awq-g64" (or a sweep recipe: RECIPES=smollm2-awq-sweep) [NAME=x]
-# [FORCE=1] [EVAL=0] [ARTIFACTS="dir1 dir2"]: one model load, one calibration and one layer-by-layer pass for all
-# variants; each is evaluated; artifacts/compare-<name>.{md,json,png}. ARTIFACTS: other tools' 4-bit directories
-# (AutoAWQ, GPTQModel, llm-compressor, AutoRound) scored against the same base model and protocol, a row each
-# marked external. Exit 3 when any variant's eval fails.
+# [FORCE=1] [EVAL=0] [ARTIFACTS="dir1 dir2"] [SERVING=1|0]: one model load, one calibration and one layer-by-layer
+# pass for all variants; each is evaluated; artifacts/compare-<name>.{md,json,png}. ARTIFACTS: other tools' 4-bit
+# directories (AutoAWQ, GPTQModel, llm-compressor, AutoRound) scored against the same base model and protocol, a row
+# each marked external. SERVING: each variant behind vLLM's server, measured by vLLM's serving benchmark at its
+# recipe's highest serve.concurrency (output tok/s, TTFT p95, weight memory, KV cache tokens); default on where
+# vLLM's CUDA build runs, SERVING=1 on vLLM's CPU build too (AVX-512), SERVING=0 never (docs/COMPARE.md).
+# Exit 3 when any variant's eval or serving benchmark fails.
 RECIPES ?= smollm2-awq-sweep
-## quantize and evaluate several recipes in one pass: RECIPES="a b" or a sweep [ARTIFACTS=dirs] -> artifacts/compare-<name>.*
+## quantize and evaluate several recipes in one pass: RECIPES="a b" or a sweep [ARTIFACTS=dirs] [SERVING=1|0] -> artifacts/compare-<name>.*
 compare: $(STAMP)
 	HF_HUB_OFFLINE=$${HF_HUB_OFFLINE:-1} $(PY) -m pipeline compare $(RECIPES) $(if $(NAME),--name $(NAME)) \
-		$(if $(FORCE),--force) $(if $(filter 0,$(EVAL)),--no-eval) $(foreach a,$(ARTIFACTS),--artifact $(a))
+		$(if $(FORCE),--force) $(if $(filter 0,$(EVAL)),--no-eval) $(foreach a,$(ARTIFACTS),--artifact $(a)) \
+		$(if $(filter 1,$(SERVING)),--serving) $(if $(filter 0,$(SERVING)),--no-serving)
 
 # make register RECIPE=name|path (a sweep: each variant) | COMPARISON=name [NAME=model] [ALIAS=champion
 # [VARIANT=name]]: artifacts into the MLflow model registry (registry/mlflow.db unless MLFLOW_TRACKING_URI is set);

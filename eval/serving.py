@@ -11,8 +11,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import torch
+
+from quantize.export import serve_config
+
 from .bench_serve import INPUT_LEN, OUTPUT_LEN, run_side
 from .serve import INT4_MISSING
+from .vllm_run import cuda_build
 
 MIN_PROMPTS = 32  # fewer requests make a p95 of little worth
 BENCH_FIGURES = ("output_throughput", "request_throughput", "p50_ttft_ms", "p95_ttft_ms", "completed", "failed",
@@ -54,7 +59,8 @@ def measure(artifact: Path, concurrency: int, work: Path, timeout: float = 900) 
     artifact = Path(artifact)
     n = num_prompts(concurrency)
     label = artifact.name
-    side = run_side(artifact, {}, [concurrency], n, INPUT_LEN, OUTPUT_LEN, Path(work), label, timeout)
+    extra = {"gpu-memory-utilization": gpu_share(artifact)} if cuda_build() else {}
+    side = run_side(artifact, extra, [concurrency], n, INPUT_LEN, OUTPUT_LEN, Path(work), label, timeout)
     log = Path(work) / f"{label}-server.log"
     text = log.read_text(errors="replace") if log.is_file() else ""
     fig = side["levels"].get(concurrency) or {}
@@ -63,4 +69,15 @@ def measure(artifact: Path, concurrency: int, work: Path, timeout: float = 900) 
         error = f"{error}\n{INT4_MISSING}"
     return {"concurrency": concurrency, "num_prompts": n, "input_len": INPUT_LEN, "output_len": OUTPUT_LEN,
             "served_name": side.get("served_name"), "load_s": side.get("load_s"),
+            "gpu_memory_utilization": extra.get("gpu-memory-utilization"),
             **{k: fig.get(k) for k in BENCH_FIGURES}, **log_figures(text), "error": error}
+
+
+def gpu_share(artifact: Path) -> float:
+    """vLLM's gpu_memory_utilization for a server started by this process: the serve config's (vLLM's 0.9 without
+    one), lowered to what is free now. vLLM refuses to start when less than that share of the card is free, and
+    this process still holds its CUDA context and the quantize stage's cached blocks (released here first)."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    wanted = float((serve_config.read(artifact) or {}).get("gpu-memory-utilization", 0.9))
+    return round(min(wanted, free / total - 0.03), 3)

@@ -39,7 +39,7 @@ from quantize.preflight import deploy
 from quantize.preflight.deploy import vllm_version
 
 from .serve import INT4_MISSING, Server, ServeError, ask, int4_kernel_missing, post, served_models
-from .serving import log_figures
+from .serving import gpu_share, log_figures
 from .vllm_run import VllmError, cuda_build, kernels_from_log, root_cause
 
 PROMPTS = (
@@ -117,7 +117,7 @@ def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str
     extra = {"dtype": dtype} if serve_config.read(artifact) else {"served-model-name": artifact.name,
                                                                    "dtype": dtype, "max-model-len": 512}
     if cuda_build():
-        extra["gpu-memory-utilization"] = out["gpu_memory_utilization"] = _gpu_share(artifact)
+        extra["gpu-memory-utilization"] = out["gpu_memory_utilization"] = gpu_share(artifact)
     with tempfile.TemporaryDirectory(prefix="smoke-") as work:
         log = Path(work) / "server.log"
         try:
@@ -196,16 +196,6 @@ def capacity_check(artifact: Path, memory: dict, utilization: float) -> dict | N
     return {"gpu": torch.cuda.get_device_name(0), "gpu_total_bytes": total, "gpu_memory_utilization": utilization,
             "weight_bytes": weights, "kv_bytes_per_token": per_token, "predicted_kv_tokens": predicted,
             "vllm_kv_tokens": vllm_tokens, "difference_pct": round(100 * (vllm_tokens - predicted) / predicted, 2)}
-
-
-def _gpu_share(artifact: Path) -> float:
-    """vLLM's gpu_memory_utilization for the smoke server: the serve config's (vLLM's 0.9 without one), lowered to
-    what is free now. vLLM refuses to start when less than that share of the card is free, and this process still
-    holds its CUDA context and the quantize stage's cached blocks (released here first)."""
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
-    wanted = float((serve_config.read(artifact) or {}).get("gpu-memory-utilization", 0.9))
-    return round(min(wanted, free / total - 0.03), 3)
 
 
 def _check_kernels(out: dict, predicted: dict | None, tp: int) -> None:

@@ -2,7 +2,7 @@
 `registry`, `serve`, `validate`, `list`, `preflight`. Wherever a recipe is asked for, its name (recipes/<name>.yaml)
 or the path of a .yaml file will do.
 
-Exit codes: 0 done; 2 a user error (one line, `error: ...`); 3 an eval gate or the vLLM smoke test failed.
+Exit codes: 0 done; 2 a user error (one line, `error: ...`); 3 an eval gate, the vLLM smoke or compare's serving failed.
 """
 
 from __future__ import annotations

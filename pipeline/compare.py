@@ -22,7 +22,7 @@ from quantize.lock import output_lock
 
 from eval.readable import machine, seconds_text
 
-from . import external
+from . import compare_serving, external
 from .stages import BaseHashes, evaluate
 
 log = logging.getLogger(__name__)
@@ -148,21 +148,26 @@ def render_markdown(name: str, rows: list[dict], meta: dict) -> str:
              ""]
     if proto:
         lines += [f"Perplexity protocol: {protocol_sentence(proto)}; FP16 perplexity {fp:.4f}.", ""]
+    heads, aligns = compare_serving.header(meta)  # output tok/s, TTFT p95, weights, KV tokens, where served
     lines += ["| variant | method | bits | group | format | size on disk (MB) | bits / weight | ppl | Δppl | Δ% "
-              "| KL mean | KL p99 | top-1 | quantize (s) | vLLM smoke | H100 TP 1 kernel |",
-              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+              "| KL mean | KL p99 | top-1 | quantize (s) | vLLM smoke | H100 TP 1 kernel |" + "".join(
+                  f" {h} |" for h in heads),
+              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|" + "|".join(aligns)
+              + ("|" if aligns else "")]
     for r in rows:
         lines.append(
             f"| {r['variant']} | {_label(r)} | {r['w_bit']} | {r['group_size']} | {r['format']} | "
             f"{r['bytes_on_disk'] / 1e6:.2f} | {_fmt(r['bits_per_weight'], '.3f')} | {_fmt(r['ppl'], '.4f')} | "
             f"{_fmt(r['delta_ppl'], '+.4f')} | {_fmt(r['delta_ppl_pct'], '+.2f')} | {_fmt(r.get('kl_mean'), '.4f')} | "
             f"{_fmt(r.get('kl_p99'), '.4f')} | {_fmt(r.get('top1'), '.4f')} | {_fmt(r['quantize_s'], '.1f')} | "
-            f"{r['vllm_smoke']} | {r.get('h100_tp1_kernel') or 'n/a'} |")
+            f"{r['vllm_smoke']} | {r.get('h100_tp1_kernel') or 'n/a'} |" + "".join(
+                f" {c} |" for c in compare_serving.cells(r, meta)))
     lines += ["", "KL: mean and p99 per-token KL(FP16 || variant) in nats on the perplexity windows (over the FP16 "
               "model's top-k tokens and the rest as one bucket: a lower bound); top-1: share of tokens whose most "
               "likely next token agrees with FP16's.",
               "", "bits / weight: every byte of the quantized linears (codes, scales, zeros) x 8 / their weights. "
               "quantize (s): this variant's own share of the shared layer-by-layer pass.", ""]
+    lines += compare_serving.notes(rows, meta)
     outside = [r for r in rows if r.get("external")]
     if outside:
         lines += ["External: directories another tool wrote (no manifest of ours), scored against the same base "
@@ -172,19 +177,21 @@ def render_markdown(name: str, rows: list[dict], meta: dict) -> str:
         lines.append("")
     if meta.get("timings_s"):
         lines += [f"Timings of this comparison run: {seconds_text(meta['timings_s'])}", ""]
-    lines += [f"![Δppl against bits per weight and size, KL against bits per weight]({name}.png)", ""]
+    lines += [f"![Δppl against bits per weight and size, KL against bits per weight and against output "
+              f"tokens/s]({name}.png)", ""]
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    """Perplexity increase (%) against bits per weight and against size on disk, and mean KL against bits per
-    weight, one labelled point per variant."""
+def plot(rows: list[dict], path: Path, title: str, meta: dict | None = None) -> None:
+    """Perplexity increase (%) against bits per weight and against size on disk, mean KL against bits per
+    weight and against served output tokens/s (or why serving was not measured), one labelled point per variant."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, grid = plt.subplots(2, 2, figsize=(12, 8.4))
+    axes = grid.flatten()
     for ax, key, label, y, ylabel in (
             (axes[0], "bits_per_weight", "effective bits per weight (quantized linears)", "delta_ppl_pct",
              "perplexity increase vs FP16 (%)"),
@@ -195,25 +202,33 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         for r in pts:
             x = r[key] / 1e6 if key == "bytes_on_disk" else r[key]
             ax.scatter(x, r[y], s=40, color=_colour(r["method"]), marker="^" if r.get("external") else "o")
-            who = (r["tool"] or r["variant"]) if r.get("external") else r["method"]
-            ax.annotate(f"{who} g{r['group_size']}", (x, r[y]), textcoords="offset points", xytext=(5, 4),
-                        fontsize=8)
+            ax.annotate(_point_label(r), (x, r[y]), textcoords="offset points", xytext=(5, 4), fontsize=8)
         ax.set_xlabel(label)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         if not pts:
             ax.text(0.5, 0.5, "not measured (eval off)", ha="center", transform=ax.transAxes)
+    compare_serving.panel(axes[3], rows, meta or {}, lambda r: _colour(r["method"]), _point_label)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def _point_label(r: dict) -> str:
+    """A row's name beside its point: method (another tool's: its tool or directory) and group size."""
+    who = (r["tool"] or r["variant"]) if r.get("external") else r["method"]
+    return f"{who} g{r['group_size']}"
+
+
 def write_comparison(name: str, artifacts: list[Path], out_root: Path, extra: dict | None = None,
-                     external_rows: list[dict] = ()) -> dict:
+                     external_rows: list[dict] = (), serving: dict | None = None) -> dict:
     """compare-<name>.json / .md / .png under out_root -> the JSON document. external_rows: `external_row`s,
-    after our variants'."""
+    after our variants'. serving: {artifact path: serving record} (`compare_serving.measure_all`), each row's
+    `serving` (None where not measured); extra["serving"] says how, or why it was skipped."""
     rows = [row(a) for a in artifacts] + list(external_rows)
+    for r in rows:
+        r["serving"] = (serving or {}).get(r["artifact"])
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(), **(extra or {})}
     doc = {"name": name, **meta, "rows": rows}
     out_root = Path(out_root)
@@ -221,7 +236,7 @@ def write_comparison(name: str, artifacts: list[Path], out_root: Path, extra: di
     stem = comparison_stem(out_root, name)
     stem.with_name(f"{stem.name}.json").write_text(json.dumps(doc, indent=2) + "\n")
     stem.with_name(f"{stem.name}.md").write_text(render_markdown(f"compare-{name}", rows, meta))
-    plot(rows, stem.with_name(f"{stem.name}.png"), f"compare-{name}: {rows[0]['base_model']}")
+    plot(rows, stem.with_name(f"{stem.name}.png"), f"compare-{name}: {rows[0]['base_model']}", meta)
     log.info("wrote %s.{json,md,png}", stem)
     return doc
 
@@ -246,19 +261,23 @@ def default_name(names: list[str]) -> str:
 
 
 def run_comparison(recipe_names: list[str], out_root: Path, force: bool = False, do_eval: bool = True,
-                   name: str | None = None, external_dirs: list[Path] = ()) -> tuple[dict, int]:
-    """Quantize every variant (one shared pass per model/calibration), evaluate each, write the comparison.
+                   name: str | None = None, external_dirs: list[Path] = (),
+                   serving: bool | None = None) -> tuple[dict, int]:
+    """Quantize every variant (one shared pass per model/calibration), evaluate each, measure each behind vLLM's
+    server (`compare_serving`), write the comparison.
     external_dirs: other tools' directories, scored after the variants against their base model on their
-    protocol, one row each.
+    protocol, one row each. serving: True / False force the serving columns on / off; None: on where vLLM's
+    CUDA build runs (`compare_serving.plan`).
 
-    -> (comparison document, exit code: 0, or 3 when any variant's eval gate or vLLM smoke failed; another
-    tool's directory that fails a gate shows it in its row and changes no exit code).
+    -> (comparison document, exit code: 0, or 3 when any variant's eval gate, vLLM smoke or serving benchmark
+    failed; another tool's directory that fails a gate shows it in its row and changes no exit code).
     """
     variants = [v for n in recipe_names for v in load_variants(n)]  # every variant validated before any load
     name = name or default_name([Path(n).stem for n in recipe_names])
     comparison_stem(out_root, name)  # a --name that leads outside --out is refused before any work
     external_dirs = [Path(d) for d in external_dirs]
     base, eopts = _external_plan(variants, external_dirs)  # a directory of another model is refused now too
+    skip_serving = compare_serving.plan(serving, do_eval, variants)  # --serving where it cannot: refused now
     groups: dict[tuple, list] = {}
     for v in variants:
         groups.setdefault(runner.share_key(v), []).append(v)
@@ -288,9 +307,18 @@ def run_comparison(recipe_names: list[str], out_root: Path, force: bool = False,
             timings["eval_all"] = round(time.perf_counter() - t0, 2)
     finally:
         hashes.cancel()
-    doc = write_comparison(name, artifacts, Path(out_root), {"recipes": recipe_names, "timings_s": timings,
-                                                             "eval_failed": failed}, outside)
-    return doc, 3 if failed else 0
+    served = {}
+    if skip_serving is None:
+        cache.clear()  # the reference's scores and tokenizer: vLLM's server wants the memory
+        t0 = time.perf_counter()
+        served = compare_serving.measure_all(list(zip([v for g in groups.values() for v in g], artifacts)),
+                                             external_dirs)
+        timings["serving_all"] = round(time.perf_counter() - t0, 2)
+    serve_failed = [Path(a).name for a, r in served.items() if r.get("error")]
+    doc = write_comparison(name, artifacts, Path(out_root), {
+        "recipes": recipe_names, "timings_s": timings, "eval_failed": failed, "serving_failed": serve_failed,
+        "serving": compare_serving.settings(skip_serving)}, outside, served)
+    return doc, 3 if failed or serve_failed else 0
 
 
 def _external_plan(variants: list, dirs: list[Path]) -> tuple[str | None, object]:

@@ -21,12 +21,19 @@ def add_parser(sub, common: argparse.ArgumentParser) -> None:
     c.add_argument("--out", default="artifacts", help="parent directory of the artifacts and comparison files")
     c.add_argument("--force", action="store_true", help="replace existing artifact directories")
     c.add_argument("--no-eval", action="store_true", help="compare sizes and times only (no perplexity, no vLLM)")
+    c.add_argument("--serving", action=argparse.BooleanOptionalAction, default=None,
+                   help="serving columns: each variant behind vLLM's server, measured by vLLM's serving benchmark at "
+                        "its recipe's highest serve.concurrency (output tok/s, TTFT, weight memory, KV cache "
+                        "tokens). Default: on where vLLM's CUDA build runs and the comparison evaluates; --serving "
+                        "measures on vLLM's CPU build too (an AVX-512 CPU; refused where vLLM cannot serve 4-bit), "
+                        "--no-serving never")
 
 
 def command(args) -> int:
     """Run `compare` -> exit code; prints the comparison's .md path."""
     from .compare import run_comparison
 
-    doc, code = run_comparison(args.recipes, Path(args.out), args.force, not args.no_eval, args.name, args.artifact)
+    doc, code = run_comparison(args.recipes, Path(args.out), args.force, not args.no_eval, args.name, args.artifact,
+                               args.serving)
     print(Path(args.out) / f"compare-{doc['name']}.md")
     return code
