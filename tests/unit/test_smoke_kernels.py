@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eval import smoke
+from eval import serving, smoke
 from quantize.export.modelcard import capacity_sentence
 
 
@@ -58,14 +58,14 @@ def test_the_smoke_server_asks_for_no_more_of_the_gpu_than_is_free(monkeypatch, 
     """vLLM refuses to start when less than its share is free; the eval process still holds its context and the
     quantize stage's cached blocks, so the share is the serve config's, lowered to what is free (less a margin)."""
     released = []
-    monkeypatch.setattr(smoke.torch.cuda, "empty_cache", lambda: released.append(1))
-    monkeypatch.setattr(smoke.torch.cuda, "mem_get_info", lambda *a: (69 * 2**30, 79 * 2**30))
-    monkeypatch.setattr(smoke.serve_config, "read", lambda artifact: {"gpu-memory-utilization": 0.92})
-    assert smoke._gpu_share(tmp_path) == round(69 / 79 - 0.03, 3) and released == [1]
-    monkeypatch.setattr(smoke.torch.cuda, "mem_get_info", lambda *a: (78 * 2**30, 79 * 2**30))
-    assert smoke._gpu_share(tmp_path) == 0.92
-    monkeypatch.setattr(smoke.serve_config, "read", lambda artifact: None)  # another tool's directory: vLLM's 0.9
-    assert smoke._gpu_share(tmp_path) == 0.9
+    monkeypatch.setattr(serving.torch.cuda, "empty_cache", lambda: released.append(1))
+    monkeypatch.setattr(serving.torch.cuda, "mem_get_info", lambda *a: (69 * 2**30, 79 * 2**30))
+    monkeypatch.setattr(serving.serve_config, "read", lambda artifact: {"gpu-memory-utilization": 0.92})
+    assert serving.gpu_share(tmp_path) == round(69 / 79 - 0.03, 3) and released == [1]
+    monkeypatch.setattr(serving.torch.cuda, "mem_get_info", lambda *a: (78 * 2**30, 79 * 2**30))
+    assert serving.gpu_share(tmp_path) == 0.92
+    monkeypatch.setattr(serving.serve_config, "read", lambda artifact: None)  # another tool's directory: vLLM's 0.9
+    assert serving.gpu_share(tmp_path) == 0.9
 
 
 class _NextIsPlusOne(torch.nn.Module):
