@@ -15,7 +15,8 @@ import torch
 from quantize.source import arch as arch_mod
 from quantize.source.arch import ARCHITECTURES, all_linears, arch_for, decoder_layers, linear_shapes
 from quantize.source.experts import split_experts
-from quantize.source.load import ModelSource, config_json, read_config
+from quantize.source import ModelSource
+from quantize.source.load import config_json, read_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
