@@ -16,7 +16,8 @@ from eval.artifact import empty_model, load_dequantized
 from quantize import runner
 from quantize.methods import awq_search as awq, gptq_sweep as gptq
 from quantize.export import modelcard
-from quantize.source.arch import all_linears, arch_for, checkpoint_name, get_module
+from quantize.source.arch import arch_for, checkpoint_name, get_module
+from quantize.source.linears import all_linears
 from quantize.capture.loop import LayerData, first_layer_inputs
 from quantize.methods.job import Job
 from quantize.methods.awq_layer import norm_consumers
