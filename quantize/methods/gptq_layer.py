@@ -14,7 +14,8 @@ import torch
 
 from . import gptq_sweep as gptq, output_error
 from ..source.arch import Arch, layer_prefix
-from ..capture.loop import LayerData, feed_inputs
+from ..capture.forward import feed_inputs
+from ..capture.loop import LayerData
 from ..capture.device import clock as _clock, side_stream
 from .kernels import gptq_sweep
 from ..capture.distributed import Dist

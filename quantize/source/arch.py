@@ -11,7 +11,7 @@ the attention and the MLP); fused projections whose output rows are equal slices
 gate_up_proj feeds down_proj from its `up` half only); the attention implementation calibration and our reader
 run (`attn_implementation`: Gemma 2's softcapping exists only in transformers' eager attention); modules that are
 never converted (`unquantized`). Per-layer inputs (masks, rotary tables, sliding windows) need no field: the
-capture loop records what the stack hands each layer (capture.first_layer_inputs).
+capture loop records what the stack hands each layer (capture.forward.first_layer_inputs).
 
 A config's linears and their sizes, read through an entry: `linears.py`.
 """
@@ -154,7 +154,7 @@ _LLAMA_LIKE = Arch(
 # Gemma 3 (text): the same linears; the MLP reads `pre_feedforward_layernorm` (`post_attention_layernorm` norms
 # the attention's output before the residual add), its norms scale by (1 + weight), and q_norm/k_norm follow
 # q_proj/k_proj as in Qwen3. Sliding-window and global layers get their own masks and rotary tables from the
-# stack (capture.first_layer_inputs keeps each layer's).
+# stack (capture.forward.first_layer_inputs keeps each layer's).
 _GEMMA3 = replace(
     _LLAMA_LIKE,
     scale_groups=tuple(replace(g, prev="pre_feedforward_layernorm") if g.prev == "post_attention_layernorm" else g

@@ -18,7 +18,8 @@ from quantize.methods import awq_search as awq, gptq_sweep as gptq
 from quantize.export import modelcard
 from quantize.source.arch import arch_for, checkpoint_name, get_module
 from quantize.source.linears import all_linears
-from quantize.capture.loop import LayerData, first_layer_inputs
+from quantize.capture.forward import first_layer_inputs
+from quantize.capture.loop import LayerData
 from quantize.methods.job import Job
 from quantize.methods.awq_layer import norm_consumers
 from quantize.methods.layer import expert_tokens
