@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from eval.artifact import empty_model, load_dequantized
 from quantize import runner
-from quantize.methods import awq_search as awq, gptq_sweep as gptq
+from quantize.methods import awq_grid, awq_search as awq, gptq_sweep as gptq
 from quantize.export import modelcard
 from quantize.source.arch import arch_for, checkpoint_name, get_module
 from quantize.source.linears import all_linears
@@ -226,9 +226,9 @@ def test_64_experts_hold_one_experts_statistics_at_a_time(tmp_path, monkeypatch,
             super().__init__(*a, **k)
             peak.track(self._H)
 
-    grams = awq.group_gram
+    grams = awq_grid.group_gram
     monkeypatch.setattr(gptq, "HessianAccumulator", Tracked)
-    monkeypatch.setattr(awq, "group_gram", lambda *a, **k: peak.track(grams(*a, **k)))
+    monkeypatch.setattr(awq_grid, "group_gram", lambda *a, **k: peak.track(grams(*a, **k)))
     over = dict(awq=dict(n_grid=4, clip_grid=4, rounding="gptq")) if method == "awq" else dict(zero_point=False)
     out = runner.run(tiny_recipe(tmp_path, src, name=f"e64-{method}", method=method, q_group_size=32,
                                  calibration=CALIB, compute_dtype="float32", moe=dict(min_expert_tokens=1), **over),
