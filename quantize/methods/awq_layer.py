@@ -13,7 +13,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from . import awq_grid, awq_search, gptq_sweep as gptq, output_error
+from . import awq_grid, awq_search, gptq_hessian, gptq_sweep as gptq, output_error
 from ..source.arch import Arch, ScaleGroup, active_scale_groups, layer_prefix
 from ..capture.loop import LayerData
 from ..capture.device import clock as _clock, side_stream
@@ -132,7 +132,7 @@ def _awq_round(data: LayerData, arch: Arch, names: list[str], ranges: dict, gram
     shared = [[n for n in names if input_of[n] == k] for k in keys]
     problems, cat_grids = [], []
     for k, group in zip(keys, shared):
-        acc = gptq.HessianAccumulator(data.features[k].shape[1], data.features[k].device)
+        acc = gptq_hessian.HessianAccumulator(data.features[k].shape[1], data.features[k].device)
         acc.add(data.features[k])  # the scaled input [tokens, in]
         problems.append((torch.cat([layer.get_submodule(n).weight.data for n in group]), acc.H))
         cat_grids.append(tuple(torch.cat([grids[n][i] for n in group]) for i in (0, 1)))
@@ -167,7 +167,7 @@ def _awq_round_owned(data: LayerData, arch: Arch, names: list[str], ranges: dict
     def rounded(group: list[str], k: str):
         with torch.no_grad():
             grids = [grid(n) for n in group]
-            acc = gptq.HessianAccumulator(data.features[k].shape[1], data.features[k].device)
+            acc = gptq_hessian.HessianAccumulator(data.features[k].shape[1], data.features[k].device)
             acc.add(data.features[k])
             gspec = dataclasses.replace(gptq_spec(recipe, scale_dtype), act_order=True)
             w = torch.cat([layer.get_submodule(n).weight.data for n in group])

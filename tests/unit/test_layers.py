@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("quantize", "eval", "pipeline")
 LAYER = {"quantize": 0, "eval": 1, "pipeline": 2}  # a package may import its own layer and those below
 ALGORITHMS = ("quantize.methods.awq_search", "quantize.methods.awq_grid", "quantize.methods.gptq_sweep",
-              "quantize.methods.primitives")
+              "quantize.methods.gptq_hessian", "quantize.methods.primitives")
 # Imported inside functions only where a path may not need them and they cost seconds to import (or are
 # optional extras): everything else is imported at the top of its module.
 LAZY_OK = {"transformers", "datasets", "huggingface_hub", "gguf", "mlflow", "sqlalchemy", "matplotlib", "vllm",
