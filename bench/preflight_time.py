@@ -116,7 +116,7 @@ class Stage(logging.Handler):
         m = re.search(r"stage preflight: done in ([\\d.]+) s", record.getMessage())
         if m:
             stages.append(float(m.group(1)))
-log = logging.getLogger("quantize.runner")
+log = logging.getLogger("quantize")  # the stage lines: quantize.runlog's, quantize.runner's in older trees
 log.addHandler(Stage())
 log.setLevel(logging.INFO)
 calls = []

@@ -32,7 +32,8 @@ import torch
 from safetensors.torch import load_file, save
 
 from quantize.files import atomic_write, atomic_write_text, sha256_file
-from quantize.source.load import TOKENIZER_FILES, cache_dir
+from quantize.paths import cache_dir
+from quantize.source.load import TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
 

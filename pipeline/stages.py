@@ -29,8 +29,9 @@ def evaluate(artifact: Path, base: str | None, eopts, cache: dict | None = None,
 
 
 def check_eval_inputs(recipes, tokenizer) -> None:
-    """Before any weight loads (`runner.preflight`'s before_weights): the eval text of each recipe that evaluates
-    exists and holds at least one perplexity window, so a run is not refused only after its quantize stage."""
+    """Before any weight loads (`preflight.stage.preflight`'s before_weights): the eval text of each recipe that
+    evaluates exists and holds at least one perplexity window, so a run is not refused only after its quantize
+    stage."""
     for r in recipes:
         if not r.eval.enabled:
             continue

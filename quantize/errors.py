@@ -20,6 +20,12 @@ def did_you_mean(word: str, choices) -> str:
     return f"; did you mean `{close[0]}`?" if close else ""
 
 
+def brief(e: BaseException, limit: int = 200) -> str:
+    """An exception as one line of at most `limit` characters, for a message that quotes it."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text if len(text) <= limit else text[: limit - 3] + '...'}"
+
+
 def run_main(main, argv=None) -> int:
     """An entry point's `main(argv)` -> its exit code; a `UserError` becomes one `error: <message>` line on
     stderr and exit code 2 (QUANTIZE_DEBUG=1 keeps the traceback), as the `pipeline` command line does."""

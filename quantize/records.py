@@ -216,7 +216,7 @@ class Manifest(Record):
     cpu: dict[str, Any] | None = None  # the processor it was made on, for the card's CPU serve advice (cpu_serve)
     git: dict[str, Any] | None = None
     timings_s: dict[str, Num] | None = None
-    stage_parts_s: dict[str, dict[str, Num]] | None = None  # stage -> part -> seconds (`runner.Timings.laps`)
+    stage_parts_s: dict[str, dict[str, Num]] | None = None  # stage -> part -> seconds (`runlog.Timings.laps`)
     pass_seconds: dict[str, Num] | None = None
     distributed: dict[str, Any] | None = None
     expert_plot: str | None = None

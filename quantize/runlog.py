@@ -1,4 +1,5 @@
-"""A structured record of one run's timings, filled by the runner, the capture loop and the methods.
+"""A structured record of one run's timings, filled by the runner, the capture loop and the methods; and the
+stopwatch (`Timings`) that times a run's stages and logs each.
 
 The log lines say the same for people; this is for programs (benchmarks, reports) that would otherwise parse
 them. Every field is plain data: `to_dict()` is JSON-serialisable.
@@ -6,7 +7,13 @@ them. Every field is plain data: `to_dict()` is JSON-serialisable.
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,3 +76,33 @@ class RunLog:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class Timings:
+    """Seconds per stage, and per part of a stage that keeps a stopwatch (`laps`)."""
+
+    stages: dict[str, float] = field(default_factory=dict)
+    parts: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @contextmanager
+    def stage(self, name: str):
+        log.info("stage %s: start", name)
+        t0 = time.perf_counter()
+        yield
+        self.stages[name] = round(time.perf_counter() - t0, 3)
+        log.info("stage %s: done in %.1f s", name, self.stages[name])
+        if self.parts.get(name):
+            log.info("stage %s: %s", name, ", ".join(f"{k} {v:.1f} s" for k, v in self.parts[name].items()))
+
+    def laps(self, stage: str) -> Callable[[str], None]:
+        """A stopwatch over `stage`'s parts: lap(name) adds the seconds since the previous lap (or since now) to
+        parts[stage][name]."""
+        last = [time.perf_counter()]
+
+        def lap(name: str) -> None:
+            now, mine = time.perf_counter(), self.parts.setdefault(stage, {})
+            mine[name] = round(mine.get(name, 0.0) + now - last[0], 3)
+            last[0] = now
+
+        return lap

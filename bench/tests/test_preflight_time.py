@@ -55,14 +55,14 @@ def test_same_process_calls_report_each_pre_flight(tmp_path):
 
 
 def test_the_stage_parts_line_is_read_back(caplog):
-    """The record's parts come from the line `runner.Timings` logs at the end of a stage with laps."""
+    """The record's parts come from the line `runlog.Timings` logs at the end of a stage with laps."""
     import logging
 
     from bench.preflight_time import parts
-    from quantize.runner import Timings
+    from quantize.runlog import Timings
 
     t = Timings()
-    with caplog.at_level(logging.INFO, logger="quantize.runner"), t.stage("preflight"):
+    with caplog.at_level(logging.INFO, logger="quantize.runlog"), t.stage("preflight"):
         lap = t.laps("preflight")
         lap("config")
         lap("eval inputs")

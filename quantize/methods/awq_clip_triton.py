@@ -1,4 +1,4 @@
-"""AWQ's clip search (`awq_search.search_clip`) as one Triton kernel: every candidate of every group in one pass.
+"""AWQ's clip search (`awq_grid.search_clip`) as one Triton kernel: every candidate of every group in one pass.
 
 The torch search runs about a dozen full-size elementwise passes and a batched matmul per candidate (30 for the
 per-side zero-point search) over the grouped weights, so it is bound by memory traffic (a large share of each
@@ -96,7 +96,7 @@ def supports(w: torch.Tensor, group: int) -> bool:
 
 def search_clip_triton(w: torch.Tensor, gram: torch.Tensor, spec, n_grid: int, max_shrink: float,
                        per_side: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop-in for `awq_search.search_clip` (`supports(w, spec.group)` must hold): w [out, in], gram
+    """Drop-in for `awq_grid.search_clip` (`supports(w, spec.group)` must hold): w [out, in], gram
     [in // g, g, g] -> (lo, hi) [out, in // g]."""
     out_f, in_f = w.shape
     g, max_q = spec.group, 2**spec.w_bit - 1

@@ -13,7 +13,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from . import awq_search, gptq_sweep as gptq, output_error
+from . import awq_grid, awq_search, gptq_hessian, gptq_sweep as gptq, output_error
 from ..source.arch import Arch, ScaleGroup, active_scale_groups, layer_prefix
 from ..capture.loop import LayerData
 from ..capture.device import clock as _clock, side_stream
@@ -104,7 +104,7 @@ def _group_gram(data: LayerData, arch: Arch, name: str, spec: awq_search.QSpec, 
     """The group Gram matrices [in // g, g, g] of linear `name`'s input (cached per shared input in grams)."""
     key = feature_of(arch)[name]
     if key not in grams:
-        grams[key] = awq_search.group_gram(data.features[key], spec.group)  # [n_group, g, g]
+        grams[key] = awq_grid.group_gram(data.features[key], spec.group)  # [n_group, g, g]
     return grams[key]
 
 
@@ -116,10 +116,10 @@ def _awq_round(data: LayerData, arch: Arch, names: list[str], ranges: dict, gram
     grids = {}
     for n in names:
         w = layer.get_submodule(n).weight.data
-        scales, zeros = awq_search.clip_grid(w, *ranges.get(n, (None, None)), spec)
+        scales, zeros = awq_grid.clip_grid(w, *ranges.get(n, (None, None)), spec)
         if opts.refit_iters:
-            scales = awq_search.refit_scales(w, _group_gram(data, arch, n, spec, grams), scales, zeros, spec,
-                                             opts.refit_iters, scale_dtype)
+            scales = awq_grid.refit_scales(w, _group_gram(data, arch, n, spec, grams), scales, zeros, spec,
+                                           opts.refit_iters, scale_dtype)
         grids[n] = (scales.to(scale_dtype), zeros)
     if opts.rounding == "rtn":
         for n in names:
@@ -132,7 +132,7 @@ def _awq_round(data: LayerData, arch: Arch, names: list[str], ranges: dict, gram
     shared = [[n for n in names if input_of[n] == k] for k in keys]
     problems, cat_grids = [], []
     for k, group in zip(keys, shared):
-        acc = gptq.HessianAccumulator(data.features[k].shape[1], data.features[k].device)
+        acc = gptq_hessian.HessianAccumulator(data.features[k].shape[1], data.features[k].device)
         acc.add(data.features[k])  # the scaled input [tokens, in]
         problems.append((torch.cat([layer.get_submodule(n).weight.data for n in group]), acc.H))
         cat_grids.append(tuple(torch.cat([grids[n][i] for n in group]) for i in (0, 1)))
@@ -153,10 +153,10 @@ def _awq_round_owned(data: LayerData, arch: Arch, names: list[str], ranges: dict
 
     def grid(n: str):
         w = layer.get_submodule(n).weight.data
-        scales, zeros = awq_search.clip_grid(w, *ranges.get(n, (None, None)), spec)
+        scales, zeros = awq_grid.clip_grid(w, *ranges.get(n, (None, None)), spec)
         if opts.refit_iters:
-            scales = awq_search.refit_scales(w, _group_gram(data, arch, n, spec, grams), scales, zeros, spec,
-                                             opts.refit_iters, scale_dtype)
+            scales = awq_grid.refit_scales(w, _group_gram(data, arch, n, spec, grams), scales, zeros, spec,
+                                           opts.refit_iters, scale_dtype)
         return scales.to(scale_dtype), zeros
 
     def rtn(n: str):
@@ -167,7 +167,7 @@ def _awq_round_owned(data: LayerData, arch: Arch, names: list[str], ranges: dict
     def rounded(group: list[str], k: str):
         with torch.no_grad():
             grids = [grid(n) for n in group]
-            acc = gptq.HessianAccumulator(data.features[k].shape[1], data.features[k].device)
+            acc = gptq_hessian.HessianAccumulator(data.features[k].shape[1], data.features[k].device)
             acc.add(data.features[k])
             gspec = dataclasses.replace(gptq_spec(recipe, scale_dtype), act_order=True)
             w = torch.cat([layer.get_submodule(n).weight.data for n in group])

@@ -12,9 +12,10 @@ import logging
 
 import torch
 
-from . import gptq_sweep as gptq, output_error
+from . import gptq_hessian, gptq_sweep as gptq, output_error
 from ..source.arch import Arch, layer_prefix
-from ..capture.loop import LayerData, feed_inputs
+from ..capture.forward import feed_inputs
+from ..capture.loop import LayerData
 from ..capture.device import clock as _clock, side_stream
 from .kernels import gptq_sweep
 from ..capture.distributed import Dist
@@ -78,12 +79,12 @@ def toward_fp(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, alpha: float, d
 def _summed_hessians(data: LayerData, keys: list[str], dist: Dist,
                      cross: dict[str, _FpCross] | None = None) -> dict[str, torch.Tensor]:
     """The Hessians 2·XᵀX / n of the inputs of linears `keys` over every rank's tokens: each rank sums xᵀx over
-    its share of the batches (`gptq.HessianAccumulator.add_sum`: float32 sums, half-precision inputs through
+    its share of the batches (`gptq_hessian.HessianAccumulator.add_sum`: float32 sums, half-precision inputs through
     float32-accumulating products, wide inputs by the upper blocks), the sums are added over ranks and divided
     by the total token count once. Exact sums, not a mean of means; the additions run in another order than one
     process's running mean, so H differs from it in the last bits (docs/DISTRIBUTED.md: what that does)."""
     layer, mine = data.layer, dist.span(len(data.inputs))
-    accs = {k: gptq.HessianAccumulator(layer.get_submodule(k).in_features, data.inputs[0].device) for k in keys}
+    accs = {k: gptq_hessian.HessianAccumulator(layer.get_submodule(k).in_features, data.inputs[0].device) for k in keys}
     if cross is not None:  # this rank's batches start this many rows into the gathered FP inputs
         start = sum(t.shape[0] * t.shape[1] for t in data.inputs[: mine.start])
         cross.update({k: _FpCross(data.fp_features[k], start) for k in keys})
@@ -151,7 +152,7 @@ def gptq_layer(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dty
         keys = sorted({input_of[n] for n in names}, key=arch.linears.index)  # one Hessian per shared input
         cross: dict[str, _FpCross] | None = {} if aim else None
         if dist is None:
-            accs = {k: gptq.HessianAccumulator(layer.get_submodule(k).in_features, data.inputs[0].device)
+            accs = {k: gptq_hessian.HessianAccumulator(layer.get_submodule(k).in_features, data.inputs[0].device)
                     for k in keys}
             if cross is not None:
                 cross.update({k: _FpCross(data.fp_features[k]) for k in keys})
@@ -231,7 +232,7 @@ def gptq_moe(data: LayerData, arch: Arch, recipe, convert: set[str], scale_dtype
                 continue
             with torch.no_grad():
                 z = xe if stage[0] == "gate_proj" else expert_hidden(mlp, xe)  # [n, in]
-            acc = gptq.HessianAccumulator(z.shape[1], device)
+            acc = gptq_hessian.HessianAccumulator(z.shape[1], device)
             acc.add(z)
             del z
             ws = [mlp.get_submodule(n).weight.data for n in names]

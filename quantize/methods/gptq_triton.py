@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .awq_search import QSpec, clip_grid
+from .awq_grid import clip_grid
+from .awq_search import QSpec
 from .gptq_sweep import Sweep, _block_start_qparams, gptq_quantize, lazy_update, spec_from_json
 
 BLOCK_ROWS = 16  # rows per program: [16, 128] fp32 tile = 16 registers per thread at 4 warps

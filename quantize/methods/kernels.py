@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from . import warmup
-from . import awq_search, gptq_sweep as sweeps
+from . import awq_grid, awq_search, gptq_sweep as sweeps
 from .awq_search import FakeQuant
 from .gptq_sweep import Sweep
 from ..errors import UserError
@@ -44,18 +44,18 @@ def gptq_sweep(kernel: str, device: torch.device) -> Sweep:
 
 
 def awq_clip(kernel: str, device: torch.device) -> Callable:
-    """AWQ's clip search for `kernel` (auto | torch | triton) on `device`, with `awq_search.search_clip`'s
+    """AWQ's clip search for `kernel` (auto | torch | triton) on `device`, with `awq_grid.search_clip`'s
     signature: auto = the Triton kernel (`methods.awq_clip_triton`) on CUDA when triton imports, else torch's.
     The kernel takes power-of-two groups of 16 to 128 columns; other weights go to torch's search."""
     module = _triton_module("awq_clip_triton", kernel, device, "advanced.awq.clip_kernel")
     if module is None:
-        return awq_search.search_clip
+        return awq_grid.search_clip
 
     def search(w, gram, spec, n_grid=20, max_shrink=0.5, per_side=False):
         if module.supports(w, spec.group):
             warmup.wait("awq_clip_triton", spec.group)
             return module.search_clip_triton(w, gram, spec, n_grid, max_shrink, per_side)
-        return awq_search.search_clip(w, gram, spec, n_grid, max_shrink, per_side)
+        return awq_grid.search_clip(w, gram, spec, n_grid, max_shrink, per_side)
     return search
 
 

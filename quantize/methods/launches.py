@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from . import get
-from ..source.arch import linear_shapes
+from ..source.linears import linear_shapes
 
 
 def plan(recipes, config, arch, compute_dtype) -> list[dict]:

@@ -9,6 +9,7 @@ Granularity: one (scale, zero) pair per `group` consecutive input columns of eac
 | dequantize    | codes, scales, zeros        | w_hat [out, in]: (q - z) * s                    |
 | dequantize_by_index | codes, scales, zeros, g_idx [in] | w_hat [out, in], column i in group g_idx[i] |
 | fake_quant    | w [out, in]                 | dequantize(quantize(w))                         |
+| fake_quant_   | wg [..., g], scales, zeros [...] | wg overwritten with its fake-quant on that grid |
 
 Asymmetric (symmetric=False): s = (max - min) / (2^b - 1), z = round(-min / s).
 Symmetric (symmetric=True): z = 2^(b-1) for every group (the value vLLM assumes for AutoAWQ GEMM without zero
@@ -87,6 +88,13 @@ def fake_quant(w: torch.Tensor, w_bit: int, group: int, *, symmetric: bool) -> t
     """w: [out, in] -> the weight the quantized model computes with, same shape and dtype as w."""
     scales, zeros = qparams(w, w_bit, group, symmetric=symmetric)
     return dequantize(quantize(w, scales, zeros, w_bit), scales, zeros).to(w.dtype)
+
+
+def fake_quant_(wg: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, w_bit: int) -> torch.Tensor:
+    """wg: [..., g] grouped weights, scales/zeros: [...] (float) -> wg, overwritten with its fake-quant on that grid:
+    `quantize` then `dequantize`, step for step (the same values), without a temporary per step."""
+    sc, z = scales.unsqueeze(-1), zeros.unsqueeze(-1)
+    return wg.div_(sc).round_().add_(z).clamp_(0, 2**w_bit - 1).sub_(z).mul_(sc)
 
 
 def quantize_for_export(

@@ -24,7 +24,8 @@ from ..errors import UserError
 from ..files import human_bytes
 from .. import formats, methods
 from . import deploy, targets
-from ..source.arch import ARCHITECTURES, Arch, all_linears, checkpoint_name, decoder_layers, layer_prefix
+from ..source.arch import ARCHITECTURES, Arch, checkpoint_name, decoder_layers, layer_prefix
+from ..source.linears import all_linears
 from ..source.experts import split_experts
 from ..recipe import Recipe
 

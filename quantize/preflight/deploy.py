@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..source.arch import arch_for
     from ..recipe import load_variants
-    from ..source.load import ModelSource, read_config, resolve
+    from ..source import ModelSource
+    from ..source.load import read_config, resolve
 
     p = argparse.ArgumentParser(prog="python -m quantize.preflight.deploy", description=main.__doc__)
     p.add_argument("recipes", nargs="+")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 def config_linears(config, arch) -> dict[str, tuple[int, int]]:
     """A model config -> one decoder layer's quantizable linears {local name: (in, out)}, from the architecture
-    table's shapes (`arch.linear_shapes`: no model is built, no torch is imported)."""
-    from ..source.arch import linear_shapes
+    table's shapes (`linears.linear_shapes`: no model is built, no torch is imported)."""
+    from ..source.linears import linear_shapes
 
     return linear_shapes(arch, config)
 
@@ -46,7 +46,7 @@ def vllm_modules(linears: dict[str, tuple[int, int]], arch, config) -> list[dict
 
 
 def _expert_modules(linears: dict[str, tuple[int, int]], arch, config) -> list[dict]:
-    from ..source.arch import expert_count
+    from ..source.linears import expert_count
 
     if arch.experts is None:
         return []

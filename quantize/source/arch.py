@@ -11,7 +11,9 @@ the attention and the MLP); fused projections whose output rows are equal slices
 gate_up_proj feeds down_proj from its `up` half only); the attention implementation calibration and our reader
 run (`attn_implementation`: Gemma 2's softcapping exists only in transformers' eager attention); modules that are
 never converted (`unquantized`). Per-layer inputs (masks, rotary tables, sliding windows) need no field: the
-capture loop records what the stack hands each layer (capture.first_layer_inputs).
+capture loop records what the stack hands each layer (capture.forward.first_layer_inputs).
+
+A config's linears and their sizes, read through an entry: `linears.py`.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class Arch:
     unquantized: tuple[str, ...] = ()  # modules of a decoder layer never converted (kept 16-bit whatever the recipe)
     serve_dtypes: tuple[str, ...] = ("float16", "bfloat16")  # the 16-bit dtypes vLLM serves the model in
     experts: "Experts | None" = None  # the MLP is a sparse mixture of experts (see `Experts`)
-    # (linear, in, out) of each linear in `linears`, as the sizes `config_sizes` names: read from config.json
+    # (linear, in, out) of each linear in `linears`, as the sizes `linears.config_sizes` names: read from config.json
     # alone (pre-flight's kernel checks need no model); tests/unit/test_arch_shapes.py holds them to transformers'
     shapes: tuple[tuple[str, str, str], ...] = ()
     head_dim_default: int | None = None  # head_dim where config.json omits it (None: hidden_size / heads)
@@ -152,7 +154,7 @@ _LLAMA_LIKE = Arch(
 # Gemma 3 (text): the same linears; the MLP reads `pre_feedforward_layernorm` (`post_attention_layernorm` norms
 # the attention's output before the residual add), its norms scale by (1 + weight), and q_norm/k_norm follow
 # q_proj/k_proj as in Qwen3. Sliding-window and global layers get their own masks and rotary tables from the
-# stack (capture.first_layer_inputs keeps each layer's).
+# stack (capture.forward.first_layer_inputs keeps each layer's).
 _GEMMA3 = replace(
     _LLAMA_LIKE,
     scale_groups=tuple(replace(g, prev="pre_feedforward_layernorm") if g.prev == "post_attention_layernorm" else g
@@ -321,29 +323,6 @@ def _check_every_layer_sparse(config, name: str) -> None:
             f"not supported; only models whose every layer is a mixture of experts are (quantize/source/arch.py)")
 
 
-def expert_count(arch: Arch, config) -> int:
-    """Routed experts per layer (0 for a dense model); AttributeError when the config gives none."""
-    if arch.experts is None:
-        return 0
-    x = arch.experts
-    key = next((k for k in (x.count_key, *x.count_aliases) if getattr(config, k, None) is not None), x.count_key)
-    return int(getattr(config, key))
-
-
-def expert_linears(arch: Arch, config) -> list[str]:
-    """Every linear of a decoder layer's MoE block (relative to the layer): the shared expert's, then each
-    routed expert's gate/up/down; [] for a dense model."""
-    if arch.experts is None:
-        return []
-    x = arch.experts
-    return [*x.shared_linears(), *(x.expert(e, n) for e in range(expert_count(arch, config)) for n in x.linears)]
-
-
-def all_linears(arch: Arch, config) -> list[str]:
-    """Every quantizable linear of a decoder layer (relative to it), in execution order."""
-    return [*arch.linears, *expert_linears(arch, config)]
-
-
 def checkpoint_name(arch: Arch, name: str) -> str:
     """A tensor's name in the model -> its name in the checkpoint vLLM reads (Mixtral's experts are renamed)."""
     if arch.experts is None or not arch.experts.renames or f".{arch.experts.block}." not in f".{name}":
@@ -357,46 +336,3 @@ def attn_implementation(config) -> str:
     """The attention implementation transformers should run this config's model with (sdpa where unknown)."""
     names = list(getattr(config, "architectures", None) or [])
     return next((ARCHITECTURES[n].attn_implementation for n in names if n in ARCHITECTURES), "sdpa")
-
-
-def config_sizes(arch: Arch, config) -> dict[str, int]:
-    """A config -> the sizes `Arch.shapes` names (hidden, q, kv, qkv, mlp, gate_up; expert, shared for experts).
-
-    config: transformers' config, or config.json's keys as attributes (pre-flight reads it before importing
-    torch); KeyError names a key config.json does not give (transformers' default is then unknown here).
-    """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-
-    def need(key: str) -> int:
-        value = getattr(text, key, None)
-        if value is None:
-            raise KeyError(key)
-        return int(value)
-
-    hidden, heads, kv = need("hidden_size"), need("num_attention_heads"), need("num_key_value_heads")
-    head_dim = getattr(text, "head_dim", None) or arch.head_dim_default or hidden // heads
-    sizes = {"hidden": hidden, "q": heads * head_dim, "kv": kv * head_dim, "qkv": (heads + 2 * kv) * head_dim}
-    if any(size in ("mlp", "gate_up") for _, i, o in arch.shapes for size in (i, o)):
-        sizes |= {"mlp": need("intermediate_size"), "gate_up": 2 * need("intermediate_size")}
-    if arch.experts is not None:
-        sizes["expert"] = need(arch.experts.intermediate_key)
-        if arch.experts.shared:
-            sizes["shared"] = need(arch.experts.shared_intermediate_key)
-    return sizes
-
-
-def linear_shapes(arch: Arch, config) -> dict[str, tuple[int, int]]:
-    """A config -> every quantizable linear of one decoder layer {local name: (in, out)}, routed experts included,
-    from the table alone (no model is built); KeyError as in `config_sizes`."""
-    sizes = config_sizes(arch, config)
-    table = {n: (sizes[i], sizes[o]) for n, i, o in arch.shapes}
-    if arch.experts is not None:
-        x = arch.experts
-        mlps = [(x.shared, "shared")] if x.shared else []
-        for prefix, inter in mlps + [(x.expert(e), "expert") for e in range(expert_count(arch, config))]:
-            table |= {f"{prefix}.gate_proj": (sizes["hidden"], sizes[inter]),
-                      f"{prefix}.up_proj": (sizes["hidden"], sizes[inter]),
-                      f"{prefix}.down_proj": (sizes[inter], sizes["hidden"])}
-    missing = [n for n in all_linears(arch, config) if n not in table]
-    assert not missing, f"quantize/source/arch.py: no shapes entry for {missing}"
-    return {n: table[n] for n in all_linears(arch, config) if n not in arch.unquantized}

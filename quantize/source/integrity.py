@@ -18,7 +18,8 @@ from safetensors import SafetensorError, safe_open
 
 from .arch import Arch, checkpoint_name
 from .experts import split_experts
-from .load import ModelSource, ModelSourceError, brief
+from . import ModelSource, ModelSourceError
+from ..errors import brief
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

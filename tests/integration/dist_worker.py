@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline import cli  # noqa: E402
-from quantize.methods import awq_search as awq  # noqa: E402
+from quantize.methods import awq_grid  # noqa: E402
 from quantize.methods import awq_layer  # noqa: E402
 from quantize.capture.loop import NumericalError  # noqa: E402
 
@@ -26,7 +26,7 @@ def _inject(where: str) -> None:
     if where == "unit":
         def failing_clip(*args, **kwargs):
             raise NumericalError(f"clip search: {MESSAGE}")
-        awq.search_clip = failing_clip
+        awq_grid.search_clip = failing_clip
     elif where == "layer":
         original = awq_layer.awq_layer
 

@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from quantize.source.arch import arch_for
-from quantize.capture.loop import first_layer_inputs
+from quantize.capture.forward import first_layer_inputs
 from tests.conftest import build_tiny_model
 
 

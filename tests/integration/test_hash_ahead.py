@@ -13,6 +13,7 @@ from eval import refcache
 from pipeline import stages
 from pipeline.cli import main
 from quantize import runner
+from quantize.preflight import stage
 from quantize.preflight.checks import PreflightError
 from tests.conftest import threads_running, tiny_recipe
 
@@ -95,7 +96,7 @@ def test_a_run_refused_after_the_hash_began_leaves_none_running(model, tmp_path,
     def no_disk(*a, **k):
         raise PreflightError("not enough free disk (this test)")
 
-    monkeypatch.setattr(runner, "check_free_disk", no_disk)
+    monkeypatch.setattr(stage, "check_free_disk", no_disk)
     assert main(["run", str(_recipe(tmp_path, model)), "--out", str(tmp_path / "a")]) == 2
     assert "error: not enough free disk" in capsys.readouterr().err
     assert len(started) == 1 and started[0].stop.is_set()

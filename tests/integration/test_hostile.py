@@ -359,7 +359,7 @@ def test_tied_checkpoint_without_lm_head_and_sharded_checkpoint_pass(tmp_path, t
     """What the check must accept: a tied lm_head absent from the files; an index and its shards."""
     import shutil
 
-    from quantize.source import integrity, load as source
+    from quantize.source import ModelSourceError, integrity, load as source
     from quantize.source.arch import arch_for
     from tests.conftest import build_tiny_model
 
@@ -379,7 +379,7 @@ def test_tied_checkpoint_without_lm_head_and_sharded_checkpoint_pass(tmp_path, t
     integrity.check_tensors(src, cfg, arch_for(cfg))
     shard = sorted(sharded.glob("model-*.safetensors"))[-1]
     shard.unlink()
-    with pytest.raises(source.ModelSourceError, match=rf"index.json lists shards that are not in .*: {shard.name}"):
+    with pytest.raises(ModelSourceError, match=rf"index.json lists shards that are not in .*: {shard.name}"):
         integrity.check_tensors(src, cfg, arch_for(cfg))
 
 
@@ -402,13 +402,13 @@ def _gguf(path: Path, arch: str, strings: dict[str, str] | None = None) -> Path:
 
 def test_unsupported_gguf_refused_from_its_header(tiny_llama, tmp_path, monkeypatch, capsys):
     """Read from the header: no conversion, no hash of the whole file, nothing written."""
-    from quantize.source import load as source
+    from quantize.source import gguf, load as source
     from quantize.source.arch import GGUF_ARCHITECTURES, UnsupportedArchitecture
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(cache))
-    monkeypatch.setattr(source, "_convert_gguf", lambda *a: pytest.fail("converted before refusing"))
-    monkeypatch.setattr(source, "sha256_file", lambda *a: pytest.fail("hashed the whole file before refusing"))
+    monkeypatch.setattr(gguf, "_convert_gguf", lambda *a: pytest.fail("converted before refusing"))
+    monkeypatch.setattr(gguf, "sha256_file", lambda *a: pytest.fail("hashed the whole file before refusing"))
     f = _gguf(tmp_path / "m.gguf", "gpt2")
     with pytest.raises(UnsupportedArchitecture, match="GGUF architecture 'gpt2'"):
         source.resolve(str(f))
@@ -433,7 +433,7 @@ def test_bad_gguf_is_one_line(tmp_path, monkeypatch, capsys, tiny_llama):
 def test_damaged_gguf_cache_is_rebuilt(tiny_llama, tmp_path, monkeypatch, caplog):
     import shutil
 
-    from quantize.source import load as source
+    from quantize.source import gguf, load as source
 
     monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(tmp_path / "cache"))
     conversions = []
@@ -443,7 +443,7 @@ def test_damaged_gguf_cache_is_rebuilt(tiny_llama, tmp_path, monkeypatch, caplog
         for p in tiny_llama.iterdir():
             shutil.copy(p, into / p.name)
 
-    monkeypatch.setattr(source, "_convert_gguf", convert)
+    monkeypatch.setattr(gguf, "_convert_gguf", convert)
     f = _gguf(tmp_path / "m.gguf", "llama")
     first = source.resolve(str(f))
     assert first.kind == "gguf" and len(conversions) == 1
@@ -464,7 +464,7 @@ def test_gguf_converted_once_by_runs_side_by_side(tiny_llama, tmp_path, monkeypa
     import threading
     import time
 
-    from quantize.source import load as source
+    from quantize.source import gguf, load as source
 
     monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(tmp_path / "cache"))
     conversions = []
@@ -475,7 +475,7 @@ def test_gguf_converted_once_by_runs_side_by_side(tiny_llama, tmp_path, monkeypa
         for p in tiny_llama.iterdir():
             shutil.copy(p, into / p.name)
 
-    monkeypatch.setattr(source, "_convert_gguf", convert)
+    monkeypatch.setattr(gguf, "_convert_gguf", convert)
     f = _gguf(tmp_path / "m.gguf", "llama")
     found, errors = [], []
 
@@ -577,9 +577,9 @@ def test_absurd_sample_count_is_named_by_the_text_not_the_disk(tiny_llama, tmp_p
 
 
 def test_cache_directory_that_is_a_file_is_named(tiny_llama, tmp_path, monkeypatch, capsys):
-    from quantize.source import load as source
+    from quantize.source import gguf
 
-    monkeypatch.setattr(source, "_convert_gguf", lambda *a: pytest.fail("converted into a cache that is a file"))
+    monkeypatch.setattr(gguf, "_convert_gguf", lambda *a: pytest.fail("converted into a cache that is a file"))
     f = _gguf(tmp_path / "m.gguf", "llama")
     blocker = tmp_path / "cache-file"
     blocker.write_text("not a directory")
@@ -633,15 +633,15 @@ def test_converted_gguf_skips_its_header(tiny_llama, tmp_path, monkeypatch):
     since, is taken from the cache without it; a changed file is read again."""
     import shutil
 
-    from quantize.source import load as source
+    from quantize.source import gguf, load as source
 
     monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(source, "_convert_gguf",
+    monkeypatch.setattr(gguf, "_convert_gguf",
                         lambda gguf, into: [shutil.copy(p, into / p.name) for p in tiny_llama.iterdir()])
     f = _gguf(tmp_path / "m.gguf", "llama")
     reads = []
-    parse = source.gguf_architecture
-    monkeypatch.setattr(source, "gguf_architecture", lambda *a: reads.append(a) or parse(*a))
+    parse = gguf.gguf_architecture
+    monkeypatch.setattr(gguf, "gguf_architecture", lambda *a: reads.append(a) or parse(*a))
     first = source.resolve(str(f)).path
     assert len(reads) == 1
     assert source.resolve(str(f)).path == first and len(reads) == 1
@@ -656,15 +656,16 @@ def test_converted_gguf_records_its_license(tiny_llama, tmp_path, monkeypatch):
     import shutil
 
     from quantize.export import modelcard
-    from quantize.source import load as source
+    from quantize.source import gguf, load as source
 
     monkeypatch.setenv("QUANTIZE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(source, "_convert_gguf",
+    monkeypatch.setattr(gguf, "_convert_gguf",
                         lambda gguf, into: [shutil.copy(p, into / p.name) for p in tiny_llama.iterdir()])
     f = _gguf(tmp_path / "m.gguf", "llama", {"general.license": "apache-2.0"})
     cached = source.resolve(str(f)).path
     assert json.loads((cached / "source.json").read_text())["license"] == "apache-2.0"
-    monkeypatch.setattr(source, "gguf_license", lambda g: pytest.fail("the GGUF was parsed again"))
+    for reader in (gguf, source):  # the model card reads it through the loader
+        monkeypatch.setattr(reader, "gguf_license", lambda g: pytest.fail("the GGUF was parsed again"))
     assert modelcard.source_license(cached) == "apache-2.0"
 
     record = json.loads((cached / "source.json").read_text())

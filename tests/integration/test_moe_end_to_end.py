@@ -14,10 +14,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from eval.artifact import empty_model, load_dequantized
 from quantize import runner
-from quantize.methods import awq_search as awq, gptq_sweep as gptq
+from quantize.methods import awq_grid, awq_search as awq, gptq_hessian
 from quantize.export import modelcard
-from quantize.source.arch import all_linears, arch_for, checkpoint_name, get_module
-from quantize.capture.loop import LayerData, first_layer_inputs
+from quantize.source.arch import arch_for, checkpoint_name, get_module
+from quantize.source.linears import all_linears
+from quantize.capture.forward import first_layer_inputs
+from quantize.capture.loop import LayerData
 from quantize.methods.job import Job
 from quantize.methods.awq_layer import norm_consumers
 from quantize.methods.layer import expert_tokens
@@ -219,14 +221,14 @@ def test_64_experts_hold_one_experts_statistics_at_a_time(tmp_path, monkeypatch,
                            kv_heads=1, extra={"num_experts": 64, "moe_intermediate_size": 64, "head_dim": 32})
     peak = _Peak()
 
-    class Tracked(gptq.HessianAccumulator):
+    class Tracked(gptq_hessian.HessianAccumulator):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             peak.track(self._H)
 
-    grams = awq.group_gram
-    monkeypatch.setattr(gptq, "HessianAccumulator", Tracked)
-    monkeypatch.setattr(awq, "group_gram", lambda *a, **k: peak.track(grams(*a, **k)))
+    grams = awq_grid.group_gram
+    monkeypatch.setattr(gptq_hessian, "HessianAccumulator", Tracked)
+    monkeypatch.setattr(awq_grid, "group_gram", lambda *a, **k: peak.track(grams(*a, **k)))
     over = dict(awq=dict(n_grid=4, clip_grid=4, rounding="gptq")) if method == "awq" else dict(zero_point=False)
     out = runner.run(tiny_recipe(tmp_path, src, name=f"e64-{method}", method=method, q_group_size=32,
                                  calibration=CALIB, compute_dtype="float32", moe=dict(min_expert_tokens=1), **over),

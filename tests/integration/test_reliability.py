@@ -17,7 +17,7 @@ from pipeline import cli
 from quantize import calib, lock, runner
 from quantize.export import write as export
 from quantize.preflight import checks as preflight
-from quantize.source import load as source
+from quantize.source import ModelSourceError, load as source
 from tests.conftest import build_tiny_model, tiny_recipe
 
 
@@ -168,7 +168,7 @@ def _custom_code_dir(tiny_llama, tmp_path):
 
 def test_custom_code_refused_unless_trusted(tiny_llama, tmp_path, no_weights):
     d, marker = _custom_code_dir(tiny_llama, tmp_path)
-    with pytest.raises(source.ModelSourceError,
+    with pytest.raises(ModelSourceError,
                        match=r"ships custom Python code \(config.json auto_map .*configuration_custom.*"
                              r"set `trust_remote_code: true` in the recipe"):
         runner.run(tiny_recipe(tmp_path, d, name="custom", method="rtn"), out_root=tmp_path / "a")
@@ -204,7 +204,7 @@ def test_pickle_only_checkpoint_refused(tiny_llama, tmp_path, no_weights, name):
     marker = tmp_path / "unpickled"
     (d / "model.safetensors").unlink()
     (d / name).write_bytes(pickle.dumps(_Payload(marker)))
-    with pytest.raises(source.ModelSourceError, match=rf"only pickle weights \({name}\).*convert the checkpoint to "
+    with pytest.raises(ModelSourceError, match=rf"only pickle weights \({name}\).*convert the checkpoint to "
                                                       r"safetensors"):
         runner.run(tiny_recipe(tmp_path, d, method="rtn"), out_root=tmp_path / "a")
     assert not marker.exists()
@@ -351,10 +351,10 @@ def test_cli_user_errors_exit_2(tiny_llama, tmp_path, monkeypatch, capsys):
 # --- model path, device ------------------------------------------------------------------------------------
 
 def test_model_path_and_config_checked_first(tmp_path, no_weights):
-    with pytest.raises(source.ModelSourceError, match=r"directory .*nowhere does not exist; fix the path"):
+    with pytest.raises(ModelSourceError, match=r"directory .*nowhere does not exist; fix the path"):
         runner.run(tiny_recipe(tmp_path, tmp_path / "nowhere", name="nowhere"), out_root=tmp_path / "a")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(source.ModelSourceError, match=r"directory .*empty has no config.json"):
+    with pytest.raises(ModelSourceError, match=r"directory .*empty has no config.json"):
         runner.run(tiny_recipe(tmp_path, tmp_path / "empty", name="empty"), out_root=tmp_path / "a")
 
 

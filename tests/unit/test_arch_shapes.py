@@ -1,4 +1,4 @@
-"""The architecture table's linear shapes (`arch.linear_shapes`, read from config.json alone: pre-flight's kernel
+"""The architecture table's linear shapes (`linears.linear_shapes`, read from config.json alone: pre-flight's kernel
 checks build no model) against the linears transformers builds from the same config, for every family the table
 holds, with and without the keys config.json may leave to transformers' defaults."""
 
@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from quantize.source import arch as arch_mod
-from quantize.source.arch import ARCHITECTURES, all_linears, arch_for, decoder_layers, linear_shapes
+from quantize.source.arch import ARCHITECTURES, arch_for, decoder_layers
+from quantize.source.linears import all_linears, linear_shapes
 from quantize.source.experts import split_experts
-from quantize.source.load import ModelSource, config_json, read_config
+from quantize.source import ModelSource
+from quantize.source.load import config_json, read_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from quantize.methods import awq_search as awq, gptq_sweep as gptq
+from quantize.methods import awq_grid, awq_search as awq, gptq_sweep as gptq
 from quantize.methods.layer import screen_split
 from quantize.methods.primitives import dequantize, fake_quant, quantize
 
@@ -254,8 +254,8 @@ def test_token_subset_picks_near_exhaustive_scales():
 def test_search_clip_gram_matches_token_loop():
     x = _x(t=200)
     w = torch.randn(16, 64)
-    gram = awq.group_gram(x, 32)
-    lo, hi = awq.search_clip(w, gram, SPEC, n_grid=10, max_shrink=0.5)
+    gram = awq_grid.group_gram(x, 32)
+    lo, hi = awq_grid.search_clip(w, gram, SPEC, n_grid=10, max_shrink=0.5)
     # brute force on tokens, per (out, group)
     wg, xg = w.reshape(16, 2, 32), x.reshape(200, 2, 32)
     org = wg.abs().amax(-1)
@@ -287,7 +287,7 @@ def _out_err(x, w, w_hat):
 
 
 def _rtn_on(w, lo, hi, spec, scales=None):
-    s, z = awq.clip_grid(w, lo, hi, spec)
+    s, z = awq_grid.clip_grid(w, lo, hi, spec)
     s = s if scales is None else scales
     return dequantize(quantize(w, s, z, spec.w_bit), s, z)
 
@@ -295,33 +295,33 @@ def _rtn_on(w, lo, hi, spec, scales=None):
 def test_per_side_clip_lowers_output_error_and_never_loses():
     x, w = _clip_problem()
     spec = awq.QSpec(4, 64, symmetric=False)
-    gram = awq.group_gram(x, 64)
-    sym = _rtn_on(w, *awq.search_clip(w, gram, spec, 20, 0.5), spec)
-    per = _rtn_on(w, *awq.search_clip(w, gram, spec, 20, 0.5, per_side=True), spec)
+    gram = awq_grid.group_gram(x, 64)
+    sym = _rtn_on(w, *awq_grid.search_clip(w, gram, spec, 20, 0.5), spec)
+    per = _rtn_on(w, *awq_grid.search_clip(w, gram, spec, 20, 0.5, per_side=True), spec)
     # per group, never worse than the symmetric search; overall clearly better with one-sided tails
-    eg = lambda wh: awq._group_err((wh - w).reshape(32, 2, 64), gram)  # noqa: E731
+    eg = lambda wh: awq_grid._group_err((wh - w).reshape(32, 2, 64), gram)  # noqa: E731
     assert (eg(per) <= eg(sym) * (1 + 1e-5) + 1e-12).all()
     assert _out_err(x, w, per) < 0.9 * _out_err(x, w, sym)
     # a symmetric grid (no zero point) is set by max|w|: per_side is the same search there
     sspec = awq.QSpec(4, 64, symmetric=True)
-    a, b = awq.search_clip(w, gram, sspec, 20, 0.5), awq.search_clip(w, gram, sspec, 20, 0.5, per_side=True)
+    a, b = awq_grid.search_clip(w, gram, sspec, 20, 0.5), awq_grid.search_clip(w, gram, sspec, 20, 0.5, per_side=True)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def test_refit_scales_lowers_group_error_and_never_loses():
     x, w = _clip_problem(1)
     spec = awq.QSpec(4, 64, symmetric=False)
-    gram = awq.group_gram(x, 64)
-    lo, hi = awq.search_clip(w, gram, spec, 20, 0.5)
-    s0, z = awq.clip_grid(w, lo, hi, spec)
-    s1 = awq.refit_scales(w, gram, s0, z, spec, iters=3)
-    before = awq._group_err((_rtn_on(w, lo, hi, spec) - w).reshape(32, 2, 64), gram)
-    after = awq._group_err((_rtn_on(w, lo, hi, spec, s1) - w).reshape(32, 2, 64), gram)
+    gram = awq_grid.group_gram(x, 64)
+    lo, hi = awq_grid.search_clip(w, gram, spec, 20, 0.5)
+    s0, z = awq_grid.clip_grid(w, lo, hi, spec)
+    s1 = awq_grid.refit_scales(w, gram, s0, z, spec, iters=3)
+    before = awq_grid._group_err((_rtn_on(w, lo, hi, spec) - w).reshape(32, 2, 64), gram)
+    after = awq_grid._group_err((_rtn_on(w, lo, hi, spec, s1) - w).reshape(32, 2, 64), gram)
     assert (after <= before * (1 + 1e-5)).all()
     assert after.sum() < 0.97 * before.sum()
     assert not torch.equal(s1, s0)
     # zero iterations: the grid's own scales
-    assert torch.equal(awq.refit_scales(w, gram, s0, z, spec, iters=0), s0)
+    assert torch.equal(awq_grid.refit_scales(w, gram, s0, z, spec, iters=0), s0)
 
 
 def test_search_batches_seeded_subset_of_whole_batches():
@@ -353,8 +353,8 @@ def test_gptq_rounding_on_the_awq_grid_beats_rtn_on_it():
     """AWQ's clip grid with GPTQ's rounding: same scales and zeros (the format is unchanged), lower output error."""
     x, w = _clip_problem(2)
     spec = awq.QSpec(4, 64, symmetric=False)
-    lo, hi = awq.search_clip(w, awq.group_gram(x, 64), spec, 20, 0.5, per_side=True)
-    s, z = awq.clip_grid(w, lo, hi, spec)
+    lo, hi = awq_grid.search_clip(w, awq_grid.group_gram(x, 64), spec, 20, 0.5, per_side=True)
+    s, z = awq_grid.clip_grid(w, lo, hi, spec)
     H = 2 * x.t() @ x / x.shape[0]
     gspec = gptq.GptqSpec(4, 64, symmetric=False, act_order=True, scale_dtype=torch.float16)
     r = gptq.gptq_quantize(w, H, gspec, grid=(s, z))

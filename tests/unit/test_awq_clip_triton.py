@@ -2,7 +2,7 @@
 
 On a CUDA host the kernel runs compiled; elsewhere under Triton's CPU interpreter (TRITON_INTERPRET=1, set in a
 subprocess because triton reads it when the kernel is defined). Both searches' picks are scored by one reference
-(the torch search's own error, `awq_search._group_err`): where the picks differ, the two errors must agree to
+(the torch search's own error, `awq_grid._group_err`): where the picks differ, the two errors must agree to
 float32 rounding, i.e. the two sums of Δ G Δᵀ ordered two candidates of equal error differently.
 """
 
@@ -20,21 +20,21 @@ CASES = [(4, 128, False, True, 70), (4, 64, False, False, 64), (4, 32, True, Fal
 
 def _err(w: torch.Tensor, gram: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec) -> torch.Tensor:
     """The torch search's error [out, n_group] of the grid that the clip range (lo, hi) [out, n_group] sets."""
-    from quantize.methods import awq_search as awq
+    from quantize.methods import awq_grid
 
     out_f, in_f = w.shape
     wg = w.float().reshape(out_f, in_f // spec.group, spec.group)
-    s, z = awq.clip_grid(w, lo, hi, spec)
+    s, z = awq_grid.clip_grid(w, lo, hi, spec)
     q = torch.clamp(torch.round(torch.clamp(wg, lo.unsqueeze(-1), hi.unsqueeze(-1)) / s.unsqueeze(-1))
                     + z.unsqueeze(-1), 0, 2**spec.w_bit - 1)
-    return awq._group_err((q - z.unsqueeze(-1)) * s.unsqueeze(-1) - wg, gram)
+    return awq_grid._group_err((q - z.unsqueeze(-1)) * s.unsqueeze(-1) - wg, gram)
 
 
 def compare(device: str) -> list[dict]:
     """Every case searched by both implementations on `device` -> per case: the share of groups whose pick
     differs, and the largest relative gap between the two picks' errors."""
     from quantize.methods import kernels
-    from quantize.methods import awq_search as awq
+    from quantize.methods import awq_grid, awq_search as awq
 
     out = []
     for seed, (w_bit, g, symmetric, per_side, rows) in enumerate(CASES):
@@ -43,7 +43,7 @@ def compare(device: str) -> list[dict]:
         # heavy-tailed weights (so clipping pays) and correlated inputs (so G is not diagonal)
         w = (torch.randn(rows, in_f, generator=gen) * torch.rand(rows, in_f, generator=gen).pow(4) * 3).to(device)
         x = torch.randn(512, in_f, generator=gen) @ (torch.eye(in_f) + 0.3 * torch.randn(in_f, in_f, generator=gen))
-        gram = awq.group_gram(x.to(device), g)
+        gram = awq_grid.group_gram(x.to(device), g)
         spec = awq.QSpec(w_bit, g, symmetric=symmetric)
         picks = [kernels.awq_clip(kernel, w.device)(w, gram, spec, 20, 0.5, per_side) for kernel in ("torch", "triton")]
         (lo_a, hi_a), (lo_b, hi_b) = picks
@@ -63,15 +63,18 @@ def test_triton_clip_search_picks_the_torch_search():
         assert r["differ"] <= 0.02 and r["gap"] < 1e-5, r  # ties in float32, nothing more
 
 
-@pytest.mark.parametrize("chooser,torchs,setting", [("awq_clip", "search_clip", "advanced.awq.clip_kernel"),
-                                                     ("awq_fake_quant", "TORCH_FQ", "advanced.awq.search_kernel")])
-def test_awq_kernel_choice(chooser, torchs, setting):
+@pytest.mark.parametrize("chooser,module,torchs,setting", [
+    ("awq_clip", "awq_grid", "search_clip", "advanced.awq.clip_kernel"),
+    ("awq_fake_quant", "awq_search", "TORCH_FQ", "advanced.awq.search_kernel")])
+def test_awq_kernel_choice(chooser, module, torchs, setting):
     """Each AWQ kernel setting (the clip search; the scale search's fake-quantization, test_awq_fq_triton.py): torch's
     on the CPU unless triton is asked for; asked for where it cannot run, the setting is named."""
-    from quantize.methods import kernels
-    from quantize.methods import awq_search as awq
+    import importlib
 
-    choose, reference = getattr(kernels, chooser), getattr(awq, torchs)
+    from quantize.methods import kernels
+
+    choose = getattr(kernels, chooser)
+    reference = getattr(importlib.import_module(f"quantize.methods.{module}"), torchs)
     assert choose("torch", torch.device("cpu")) is reference
     if not torch.cuda.is_available():
         assert choose("auto", torch.device("cpu")) is reference

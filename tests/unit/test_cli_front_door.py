@@ -20,14 +20,15 @@ def _user_error_classes() -> list[type]:
     from eval import perplexity, serve, vllm_run
     from pipeline import registry
     from quantize import calib, files, lock, manifest, paths, recipe
-    from quantize.source import arch, load as source
+    from quantize import source as stage
+    from quantize.source import arch, gguf, load as source
     from quantize.capture import loop as capture, device, distributed
     from quantize.export import write as export
     from quantize.methods import kernels
     from quantize.preflight import checks as preflight
 
-    mods = (arch, calib, capture, device, distributed, export, files, kernels, lock, manifest, paths, preflight, recipe,
-            source, perplexity, serve, vllm_run, registry)
+    mods = (arch, calib, capture, device, distributed, export, files, gguf, kernels, lock, manifest, paths, preflight,
+            recipe, source, stage, perplexity, serve, vllm_run, registry)
     return [c for m in mods for c in vars(m).values()
             if isinstance(c, type) and issubclass(c, Exception) and c.__module__ == m.__name__
             and not c.__name__.startswith("_")]  # private control flow, never shown

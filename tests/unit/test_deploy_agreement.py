@@ -15,7 +15,8 @@ from quantize import formats
 from quantize.preflight import deploy, modules, rules
 from quantize.source.arch import arch_for
 from quantize.recipe import GROUP_SIZES, list_recipes, load_variants
-from quantize.source.load import ModelSource, read_config
+from quantize.source import ModelSource
+from quantize.source.load import read_config
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")

@@ -29,7 +29,8 @@ def answers() -> dict:
     from quantize.source.arch import arch_for
     from quantize.formats import is_skipped
     from quantize.recipe import load_recipe
-    from quantize.source.load import ModelSource, read_config
+    from quantize.source import ModelSource
+    from quantize.source.load import read_config
 
     out = {}
     for name in RECIPES:

@@ -22,7 +22,8 @@ from quantize.formats import is_skipped
 from quantize.preflight import deploy, rules
 from quantize.preflight.modules import recipe_modules
 from quantize.source.arch import arch_for
-from quantize.source.load import ModelSource, read_config
+from quantize.source import ModelSource
+from quantize.source.load import read_config
 
 ROOT = Path(__file__).resolve().parents[2]
 OTHER = os.environ.get("QUANTIZE_OTHER_VLLM_PYTHON")

@@ -14,7 +14,8 @@ from quantize.preflight import deploy, targets
 from quantize.source.arch import arch_for
 from quantize.formats import is_skipped
 from quantize.recipe import SERVE_CAPABILITIES, RecipeError, ServeTarget, list_recipes, load_recipe, load_variants
-from quantize.source.load import ModelSource, read_config
+from quantize.source import ModelSource
+from quantize.source.load import read_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

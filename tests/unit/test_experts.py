@@ -5,7 +5,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from quantize.source.arch import all_linears, arch_for, checkpoint_name, expert_linears, UnsupportedArchitecture
+from quantize.source.arch import arch_for, checkpoint_name, UnsupportedArchitecture
+from quantize.source.linears import all_linears, expert_linears
 from quantize.source.experts import ExpertList, split_experts
 from tests.conftest import TINY
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from quantize.methods import gptq_sweep as gptq
+from quantize.methods import gptq_hessian, gptq_sweep as gptq
 from quantize.methods.primitives import dequantize, fake_quant
 
 
@@ -11,7 +11,7 @@ def _data(out_f=32, in_f=128, t=512, seed=0):
     x = x @ (torch.eye(in_f) + 0.3 * torch.randn(in_f, in_f, generator=g))  # correlated inputs
     x[:, :3] *= 10
     w = torch.randn(out_f, in_f, generator=g)
-    acc = gptq.HessianAccumulator(in_f)
+    acc = gptq_hessian.HessianAccumulator(in_f)
     for chunk in x.split(100):
         acc.add(chunk)
     return w, x, acc
@@ -25,11 +25,11 @@ def test_hessian_accumulator_matches_formula():
 
 def test_hessian_upper_blocks_mirrored(monkeypatch):
     # wide inputs: only the upper block triangle of XᵀX is computed; H as read is the full symmetric matrix
-    monkeypatch.setattr(gptq.HessianAccumulator, "symmetric_min", 64)
-    monkeypatch.setattr(gptq.HessianAccumulator, "symmetric_block", 48)  # 130 = 48 + 48 + 34: a ragged last block
+    monkeypatch.setattr(gptq_hessian.HessianAccumulator, "symmetric_min", 64)
+    monkeypatch.setattr(gptq_hessian.HessianAccumulator, "symmetric_block", 48)  # 130 = 48 + 48 + 34: ragged last
     g = torch.Generator().manual_seed(3)
     x = torch.randn(300, 130, generator=g, dtype=torch.float64).float()
-    acc = gptq.HessianAccumulator(130)
+    acc = gptq_hessian.HessianAccumulator(130)
     for chunk in x.split(70):
         acc.add(chunk)
     assert acc._upper
@@ -260,7 +260,7 @@ def test_partial_hessian_sums_reduce_to_the_running_mean():
     torch.manual_seed(0)
     batches = [torch.randn(2, 5, 12) for _ in range(4)]
     for wide in (False, True):
-        accs = [gptq.HessianAccumulator(12) for _ in range(4)]  # one process; two sharing; one with no tokens
+        accs = [gptq_hessian.HessianAccumulator(12) for _ in range(4)]  # one process; two sharing; one with no tokens
         for a in accs:
             if wide:
                 a.symmetric_min, a.symmetric_block = 8, 4
@@ -289,7 +289,7 @@ def test_toward_fp_is_the_least_squares_fit_of_the_fp_outputs():
     w, x, acc = _data()
     g = torch.Generator().manual_seed(7)
     xq = x + 0.2 * torch.randn(x.shape, generator=g)  # what the quantized chain feeds the linear
-    qacc, cross = gptq.HessianAccumulator(x.shape[1]), _FpCross(x)
+    qacc, cross = gptq_hessian.HessianAccumulator(x.shape[1]), _FpCross(x)
     for chunk in xq.split(100):  # the batches arrive in order; _FpCross reads the FP rows alongside
         qacc.add(chunk)
         cross.add(chunk)

@@ -9,7 +9,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("quantize", "eval", "pipeline")
 LAYER = {"quantize": 0, "eval": 1, "pipeline": 2}  # a package may import its own layer and those below
-ALGORITHMS = ("quantize.methods.awq_search", "quantize.methods.gptq_sweep", "quantize.methods.primitives")
+ALGORITHMS = ("quantize.methods.awq_search", "quantize.methods.awq_grid", "quantize.methods.gptq_sweep",
+              "quantize.methods.gptq_hessian", "quantize.methods.primitives")
 # Imported inside functions only where a path may not need them and they cost seconds to import (or are
 # optional extras): everything else is imported at the top of its module.
 LAZY_OK = {"transformers", "datasets", "huggingface_hub", "gguf", "mlflow", "sqlalchemy", "matplotlib", "vllm",
@@ -25,7 +26,7 @@ DEFERS = {          "quantize.formats": ("quantize.formats.", "quantize.methods.
           "quantize.preflight.deploy": ("",), "quantize.preflight.vllm_kernels": ("",),
           "quantize.preflight.modules": ("",), "quantize.preflight.targets": ("",),
           # pre-flight's refusal of serve.targets reads config.json through these before any torch import
-          "quantize.source.arch": ("torch",), "quantize.source.load": ("torch",),
+          "quantize.source.arch": ("torch",), "quantize.source.load": ("torch",), "quantize.source.gguf": ("torch",),
           "eval.lmeval": ("",),  # lm-eval (an optional extra) and its task files, only when a recipe asks for tasks
           "pipeline.cli": ("quantize.", "pipeline.", "eval.gpu_share", "torch", "subprocess"),
           # compare's arguments are parsed on every command line (--help too); the comparison itself loads torch
@@ -103,7 +104,8 @@ def test_algorithms_know_no_device_and_no_transformers():
     modules = _modules()
     for m in ALGORITHMS:
         names = {t for t, _ in _imports(m, modules[m], modules)}
-        bad = {t for t in names if t in ("quantize.capture.device", "quantize.capture.loop") or t.split(".")[0] == "transformers"}
+        bad = {t for t in names if t in ("quantize.capture.device", "quantize.capture.loop", "quantize.capture.forward")
+               or t.split(".")[0] == "transformers"}
         assert not bad, f"{m} imports {sorted(bad)}"
 
 

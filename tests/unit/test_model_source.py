@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from quantize.source import load as source
+from quantize.source import ModelSourceError, load as source
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def no_hub(monkeypatch):
 def test_a_mistyped_local_directory_says_it_does_not_exist(tmp_path, monkeypatch, no_hub, spec):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()  # `models/mine`: its parent is here, so it is a local path, not owner/name
-    with pytest.raises(source.ModelSourceError, match=r"directory .* does not exist; fix the path") as e:
+    with pytest.raises(ModelSourceError, match=r"directory .* does not exist; fix the path") as e:
         source.resolve(spec)
     assert "local_files_only" not in str(e.value) and "hub" in str(e.value)
 
@@ -32,7 +32,7 @@ def test_a_hub_id_offline_says_it_is_not_in_the_cache(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    with pytest.raises(source.ModelSourceError) as e:
+    with pytest.raises(ModelSourceError) as e:
         source.resolve("Owner/model-7b")
     assert f"there is no directory {tmp_path / 'Owner' / 'model-7b'} (resolved against the working directory)" \
         in str(e.value)
@@ -52,7 +52,7 @@ def test_a_recipe_model_missing_beside_it_and_from_the_hub_cache_says_both(tmp_p
     (tmp_path / "recipes").mkdir()
     recipe = load_recipe(str(write_recipe(tmp_path / "recipes" / "mine.yaml", base="smollm2-awq-g64",
                                           model="models/does-not-exist")))
-    with pytest.raises(source.ModelSourceError) as e:
+    with pytest.raises(ModelSourceError) as e:
         source.resolve(recipe.model)
     msg = str(e.value)
     assert msg.startswith("model 'models/does-not-exist' was found neither as a directory nor on the hub: ")
@@ -67,7 +67,7 @@ def test_config_without_weights_says_no_weight_files_were_found(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
     src = source.resolve(str(tmp_path / "m"))
-    with pytest.raises(source.ModelSourceError, match=r"no weight files were found in .*m \(no \*\.safetensors") as e:
+    with pytest.raises(ModelSourceError, match=r"no weight files were found in .*m \(no \*\.safetensors") as e:
         source.check_weights(src)
     assert "pickle" not in str(e.value).lower()
 
@@ -88,7 +88,7 @@ def test_a_tokenizer_is_loaded_once_while_its_files_are_unchanged(tmp_path):
     again = source.load_tokenizer(src)
     assert again is not first and again("hello world")["input_ids"] == first("hello world")["input_ids"]
     tj.write_text("{ not json")
-    with pytest.raises(source.ModelSourceError, match="the tokenizer in .* cannot be loaded"):
+    with pytest.raises(ModelSourceError, match="the tokenizer in .* cannot be loaded"):
         source.load_tokenizer(src)
 
 

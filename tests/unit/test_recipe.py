@@ -162,7 +162,8 @@ def _plan_on_real_config(config: str, recipe: str):
     from quantize.source.arch import arch_for
     from quantize.formats import is_skipped
     from quantize.preflight.checks import plan
-    from quantize.source.load import ModelSource, read_config
+    from quantize.source import ModelSource
+    from quantize.source.load import read_config
 
     cfg = read_config(ModelSource("x", Path(__file__).resolve().parents[2] / "bench" / "configs" / config, "dir"))
     return plan(cfg, arch_for(cfg), load_recipe(recipe), is_skipped)
