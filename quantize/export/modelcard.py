@@ -16,7 +16,7 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .. import formats
-from ..source import load as source
+from ..source.gguf import gguf_license
 from . import capacity, cpu_serve, serve_config
 from ..methods import output_error
 from ..records import Calibration, Distribution, LmEval, Manifest, Protocol, Report
@@ -50,7 +50,7 @@ def source_license(model_dir: Path) -> str | None:
                 return str(found)
         if converted.is_file():
             record = json.loads(converted.read_text())
-            return record["license"] if "license" in record else source.gguf_license(Path(record["gguf"]))
+            return record["license"] if "license" in record else gguf_license(Path(record["gguf"]))
     except (OSError, ValueError, KeyError) as e:  # the card only goes without its license line
         log.warning("could not read the base model's license from %s: %s", model_dir, e)
     return None

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from . import ModelSource, ModelSourceError
 from .arch import attn_implementation
-from .gguf import gguf_license, gguf_source  # noqa: F401 - gguf_license: export.modelcard reads it from here
+from .gguf import gguf_source
 from .not_found import not_found
 from ..errors import brief
 
