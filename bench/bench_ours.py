@@ -35,11 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pipeline import bytecode, deferred  # noqa: E402
+from pipeline import bytecode  # noqa: E402
 from pipeline.__main__ import exit_now  # noqa: E402
 
 BYTECODE = bytecode.prepare()  # before torch, as `python -m pipeline run` does
-deferred.defer_imports()  # before transformers, as `python -m pipeline run` does
 
 import torch  # noqa: E402
 

@@ -1,7 +1,6 @@
 """`python -m pipeline` and the `quantize` command. The bytecode cache is prepared before the command line's own
-imports (pydantic, yaml) and long before torch's (`pipeline.bytecode`); scikit-learn and SciPy, which transformers
-imports for features no command uses, wait until something calls them (`pipeline.deferred`); the process ends
-without tearing every module down (`exit_now`)."""
+imports (pydantic, yaml) and long before torch's (`pipeline.bytecode`); the process ends without tearing every
+module down (`exit_now`)."""
 
 import atexit
 import os
@@ -11,7 +10,7 @@ from typing import NoReturn
 
 from quantize.errors import UserError
 
-from . import bytecode, deferred
+from . import bytecode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +19,6 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:  # before the command line exists, so answered here the way it answers
         print(f"error: {e}", file=sys.stderr)
         return 2
-    deferred.defer_imports()
     from .cli import main as cli_main
 
     return cli_main(argv)

@@ -1,15 +1,25 @@
 """Compiled bytecode for what a run imports, on hosts where Python would keep none.
 
-A container image that sets PYTHONDONTWRITEBYTECODE and ships no bytecode (many do) makes every process compile
-from source every module it imports: a run imports about 4,000 (torch, transformers and what they pull in), 10 s
-and more of one core, in every process. `prepare()`, called before a command imports torch, points Python at a
-bytecode cache of its own (`sys.pycache_prefix`: $QUANTIZE_CACHE_DIR/bytecode, or the PYTHONPYCACHEPREFIX the user
-set), compiles the files named in imports.txt that have no bytecode there yet in worker processes on every core
-at once, and lets the process (and the Python processes it starts: vLLM's server, the kernel-selection child)
-write bytecode for anything else they import into the same cache, so that the next process on the host finds it
-all. Nothing is written beside the installed sources. Where Python writes bytecode anyway (the flag unset), or
-the installed packages carry theirs (pip compiles what it installs, flag or not), `prepare()` does nothing.
-QUANTIZE_BYTECODE=off turns it off.
+A container image that sets PYTHONDONTWRITEBYTECODE and ships no bytecode (packages installed with `pip install
+--no-compile`, or by uv, which compiles none unless asked) makes every process compile from source every module it
+imports: a run imports about 4,000 (torch, transformers and what they pull in), in every process. `prepare()`,
+called once at process start by the command line's entry point (`prepare_for`) before anything imports torch, points
+Python at a bytecode cache of its own (`sys.pycache_prefix`: $QUANTIZE_CACHE_DIR/bytecode, or the
+PYTHONPYCACHEPREFIX the user set), compiles the files named in imports.txt that have no bytecode there yet in worker
+processes on every core at once, and lets the process (and the Python processes it starts: vLLM's server, the
+kernel-selection child) write bytecode for anything else they import into the same cache, so that the next process
+on the host finds it all. Nothing is written beside the installed sources. Where Python writes bytecode anyway (the
+flag unset), or the installed packages carry theirs (pip compiles what it installs, flag or not), `prepare()` does
+nothing. QUANTIZE_BYTECODE=off turns it off.
+
+What it saves. The 2-core CPU box, its venv's bytecode hidden (a hard-linked copy without __pycache__):
+`python -m pipeline preflight` of the default recipe 11.7 s a process without the cache, 5.0 s with it; a
+`pipeline run` 13.6 s outside its quantize stage against 6.8 s. About 7 s saved in every process after the host's
+first, which pays about 2 s more than without (it writes the cache, compiling as it imports: no workers below
+MIN_CORES). An H200 image of this kind (16 cores; 4,162 listed files compiled in 1.6 s by the host's first
+process): a 7B GPTQ run 26.5 s against 32.4-33.3 s, about 6 s a run. Where the packages carry their bytecode, as
+pip leaves them, it saves nothing and costs 0.04 s of checking the list (docs/BENCHMARKS.md, "Process start:
+deferred imports removed, the bytecode cache measured").
 
 imports.txt lists source files relative to the sys.path entry that holds them (`torch/nn/modules/linear.py`,
 `json/decoder.py`), as `bench/record_imports.py` records them from real runs; files a host does not have are

@@ -14,7 +14,7 @@ ALGORITHMS = ("quantize.methods.awq_search", "quantize.methods.awq_grid", "quant
 # Imported inside functions only where a path may not need them and they cost seconds to import (or are
 # optional extras): everything else is imported at the top of its module.
 LAZY_OK = {"transformers", "datasets", "huggingface_hub", "gguf", "mlflow", "sqlalchemy", "matplotlib", "vllm",
-           "compressed_tensors", "quantize.methods.gptq_triton", "sklearn"}
+           "compressed_tensors", "quantize.methods.gptq_triton"}
 # Modules read by the command line's light commands (`--help`, `list`, `validate`), which import no torch: the
 # CLI imports each stage inside the command that runs it, the formats' facts import their layouts where they
 # pack or decode, a method's facts import its per-layer job where a layer is processed.
