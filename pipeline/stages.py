@@ -14,6 +14,7 @@ from quantize.records import Report
 from quantize.source import load as source
 
 from eval import refcache, report as eval_report
+from eval.report_md import render_markdown
 from eval.artifact import quantization_format
 from eval.perplexity import Protocol, load_eval_text, windows
 
@@ -84,6 +85,6 @@ def write_report(artifact: Path, report: Report) -> None:
     """report.json + report.md into the artifact; for our artifacts the model card gains the numbers, and the
     manifest records the report's hashes and the new card (each write atomic)."""
     atomic_write_text(artifact / "report.json", json.dumps(report.written().to_json(), indent=2) + "\n")
-    atomic_write_text(artifact / "report.md", eval_report.render_markdown(report))
+    atomic_write_text(artifact / "report.md", render_markdown(report))
     m = manifest.read(artifact)
     manifest.add_report(artifact, report.passed, modelcard.render(m, report) if m is not None else None)
