@@ -21,7 +21,7 @@ import torch
 
 from quantize.export import serve_config
 from quantize.methods import output_error
-from quantize.source import load as source
+from quantize.source import ModelSource, load as source
 from quantize import manifest as manifest_file
 from quantize.records import Manifest, Report
 
@@ -225,21 +225,24 @@ class _Reference:
         self.model = None
 
 
-def _context(artifact: Path, base_spec: str, manifest: Manifest | None, compute_dtype, cache: dict | None) -> dict:
+def _context(artifact: Path, base_spec: str, manifest: Manifest | None, compute_dtype, cache: dict | None,
+             resolved: Sequence[ModelSource] = ()) -> dict:
     """What every step of one eval shares (and a comparison's variants of one base model reuse): the base
-    model's source, tokenizer and files' sha256, the device, dtype and batch."""
+    model's source (the one in `resolved` of this spec, else resolved now), tokenizer and files' sha256, the
+    device, dtype and batch."""
     device = eval_device(manifest)
     served = served_dtype(artifact, manifest)
     dtype = compute_dtype or eval_dtype(device, served)
     shared = cache.setdefault((base_spec, str(device), str(dtype)), {}) if cache is not None else {}
     if "src" not in shared:
-        shared["src"] = source.resolve(base_spec)
+        shared["src"] = next((s for s in resolved if s.spec == base_spec), None) or source.resolve(base_spec)
         shared["tokenizer"] = source.load_tokenizer(shared["src"])
     return {**shared, "device": device, "dtype": dtype, "served": served, "shared": shared}
 
 
 def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.dtype | None = None,
-             cache: dict | None = None, base_hashes: Sequence[refcache.HashAhead] = ()) -> Report:
+             cache: dict | None = None, base_hashes: Sequence[refcache.HashAhead] = (),
+             resolved: Sequence[ModelSource] = ()) -> Report:
     """Run the whole eval stage on `artifact` -> the report (`pipeline.stages.evaluate` writes it into the artifact).
 
     On the device that quantized it (CUDA: the artifact's 16-bit dtype; CPU: float32), one model on the device
@@ -249,6 +252,8 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     model's files are resolved and hashed once.
     base_hashes: base models' files hashed ahead (`refcache.HashAhead`); the one of this base model is used where
     its files are as they were hashed.
+    resolved: base models a run's pre-flight resolved already (`pipeline.stages.BaseHashes.sources`); the one of
+    this base model is read as it was quantized from, not resolved again.
     """
     artifact = Path(artifact)
     manifest = manifest_file.read(artifact)
@@ -257,7 +262,7 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
         raise EvalInputError(f"{artifact}: no manifest names its base model; pass --base <model spec>")
     peak_reset = _reset_host_peak()
     timings: dict[str, float] = {}
-    ctx = _context(artifact, base_spec, manifest, compute_dtype, cache)
+    ctx = _context(artifact, base_spec, manifest, compute_dtype, cache, resolved)
     device, dtype = ctx["device"], ctx["dtype"]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

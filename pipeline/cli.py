@@ -213,13 +213,15 @@ def _main_handled(argv: list[str] | None) -> int:
             signal.signal(s, handler)
 
 
-def _run_command(args, recipe) -> int:
-    """`run`: quantize, then evaluate unless the recipe or --no-eval says not to. Under torchrun (WORLD_SIZE > 1)
-    every rank quantizes its share; rank 0 alone holds the lock, writes the artifact and evaluates it."""
+def _run_command(args, recipe, out: Path) -> int:
+    """`run` of the parsed recipe into `out`: quantize, then evaluate unless the recipe or --no-eval says not to.
+    Under torchrun (WORLD_SIZE > 1) every rank quantizes its share; rank 0 alone holds the lock, writes the artifact
+    and evaluates it. The device is decided here, once, for the start line, the quantize stage and its hook."""
     from eval import gpu_share
     from quantize import runner
     from quantize.capture import distributed
     from quantize.lock import output_lock
+    from quantize.preflight.checks import pick_device
 
     from . import expect, stages
 
@@ -229,7 +231,7 @@ def _run_command(args, recipe) -> int:
         writer = dist is None or dist.rank == 0
         with ExitStack() as held:
             # one lock over quantize and eval: no other run can replace the artifact while it is being scored
-            take = lambda: held.enter_context(output_lock(child(args.out, recipe.name, "recipe name")))  # noqa: E731
+            take = lambda: held.enter_context(output_lock(out))  # noqa: E731
             if dist is None:
                 take()
             else:  # a refused lock on rank 0 stops every rank
@@ -238,11 +240,12 @@ def _run_command(args, recipe) -> int:
                 evaluates = recipe.eval.enabled and not args.no_eval
                 if evaluates and writer:  # a GPU another process holds is said now, not after the quantize stage
                     gpu_share.warn_before_eval(recipe.eval)
+                device = pick_device(recipe)
                 if writer:  # a slow CPU and a skipped smoke are said now, not after minutes
-                    expect.announce(recipe, evaluates)
+                    expect.announce(recipe, evaluates, device)
                 check = hashes.before_weights if writer else stages.check_eval_inputs
-                out = runner.run(args.recipe, out_root=args.out, force=args.force, locked=True, dist=dist,
-                                 before_weights=check if evaluates else None)
+                written = runner.run(recipe, out_root=args.out, force=args.force, locked=True, dist=dist,
+                                     before_weights=check if evaluates else None, out=out, device=device)
             except BaseException as e:  # noqa: BLE001 - the first failing rank's message is the one to show
                 if dist is None:
                     raise
@@ -252,10 +255,10 @@ def _run_command(args, recipe) -> int:
                 raise shown from e
             if not writer:
                 return 0
-            print(out)
+            print(written)
             if recipe.eval.enabled and not args.no_eval:
                 try:
-                    return run_eval(out, None, recipe.eval, hashes=hashes)
+                    return run_eval(written, None, recipe.eval, hashes=hashes)
                 except RuntimeError as e:
                     e.during_eval = True  # an out-of-memory message then says the artifact was written
                     raise
@@ -319,33 +322,34 @@ def _command(args) -> int:
         rows = registry.versions(args.name)
         print(json.dumps(rows, indent=2) if args.json else registry.table(rows))
         return 0
-    if args.cmd in ("run", "preflight"):
-        _refuse_targets_early(args)
+    if args.cmd == "serve":
+        from .serve import serve_command
+
+        return serve_command(args)
+    recipe, out = _recipe_and_out(args)
     if args.cmd == "preflight":
         from quantize import runner
 
         from . import stages
 
-        print(runner.preflight_only(args.recipe, out_root=args.out, force=args.force,
-                                    before_weights=stages.check_eval_inputs, json_path=args.json))
+        print(runner.preflight_only(recipe, out_root=args.out, force=args.force,
+                                    before_weights=stages.check_eval_inputs, json_path=args.json, out=out))
         return 0
-    if args.cmd == "serve":
-        from .serve import serve_command
-
-        return serve_command(args)
-    recipe = load_recipe(args.recipe)
-    check_output_parent(args.out)
-    return _run_command(args, recipe)
+    return _run_command(args, recipe, out)
 
 
-def _refuse_targets_early(args) -> None:
-    """A recipe's serve.targets refused from config.json alone, before `runner` imports torch (seconds); pre-flight
-    checks them again and decides what this leaves open (quantize.preflight.targets.refuse_targets_early)."""
+def _recipe_and_out(args):
+    """`run` and `preflight`: the recipe, parsed here once and passed on, and its artifact directory under --out,
+    worked out and checked once. A serve.targets the recipe cannot meet is refused from config.json alone, before
+    `runner` imports torch (seconds); pre-flight checks them again and decides what this leaves open
+    (quantize.preflight.targets.refuse_targets_early)."""
     from quantize.preflight.targets import refuse_targets_early
 
     recipe = load_recipe(args.recipe)
     check_output_parent(args.out)
-    refuse_targets_early(recipe, child(args.out, recipe.name, "recipe name"), args.force)
+    out = child(args.out, recipe.name, "recipe name")
+    refuse_targets_early(recipe, out, args.force)
+    return recipe, out
 
 
 def _registry_ui(cmd: list[str], host: str, port: int) -> int:
