@@ -280,7 +280,7 @@ def _main(args) -> int:
         if args.cmd not in ("run", "preflight", "eval") or not is_out_of_memory(e) or args.debug:
             raise
         during_eval = args.cmd == "eval" or getattr(e, "during_eval", False)
-        print(f"error: {oom_message(e, args.recipe, during_eval)}", file=sys.stderr)
+        print(f"error: {oom_message(e, args.recipe, during_eval, getattr(e, 'recipe', None))}", file=sys.stderr)
         return 2
 
 
@@ -327,15 +327,19 @@ def _command(args) -> int:
 
         return serve_command(args)
     recipe, out = _recipe_and_out(args)
-    if args.cmd == "preflight":
-        from quantize import runner
+    try:
+        if args.cmd == "preflight":
+            from quantize import runner
 
-        from . import stages
+            from . import stages
 
-        print(runner.preflight_only(recipe, out_root=args.out, force=args.force,
-                                    before_weights=stages.check_eval_inputs, json_path=args.json, out=out))
-        return 0
-    return _run_command(args, recipe, out)
+            print(runner.preflight_only(recipe, out_root=args.out, force=args.force,
+                                        before_weights=stages.check_eval_inputs, json_path=args.json, out=out))
+            return 0
+        return _run_command(args, recipe, out)
+    except RuntimeError as e:
+        e.recipe = recipe  # an out-of-memory message then names the values this run used
+        raise
 
 
 def _recipe_and_out(args):

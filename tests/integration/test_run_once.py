@@ -49,3 +49,14 @@ def test_preflight_parses_its_recipe_once(tiny_llama, tmp_path, counted):
     assert counted["parsed"] == ["once"]
     assert counted["resolved"] == [str(tiny_llama)]
 
+
+def test_out_of_memory_names_the_values_of_the_one_parse(tiny_llama, tmp_path, counted, monkeypatch, capsys):
+    from quantize import runner
+
+    def oom(*a, **k):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(runner, "run", oom)
+    assert main(["run", str(_recipe(tmp_path, tiny_llama)), "--out", str(tmp_path / "a")]) == 2
+    assert "(now: batch_size 4, calibration.n_samples 16" in capsys.readouterr().err
+    assert counted["parsed"] == ["once"]
