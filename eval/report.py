@@ -1,5 +1,6 @@
 """The eval stage: perplexity FP16 vs quantized, vLLM smoke-load, optional lm-eval -> the report (a
-`quantize.records.Report`) and its markdown. The pipeline writes them into the artifact.
+`quantize.records.Report`); its gates are `gates`', its markdown `report_md`'s. The pipeline writes both into the
+artifact.
 
 Works on any vLLM-loadable directory (ours or another tool's): the quantized model is decoded from the
 artifact's packed tensors; the FP16 reference is the base model (from our manifest, or given).
@@ -10,7 +11,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,15 +19,15 @@ from pathlib import Path
 
 import torch
 
-from quantize.export import modelcard, serve_config
+from quantize.export import serve_config
 from quantize.methods import output_error
-from quantize.source import load as source
+from quantize.source import ModelSource, load as source
 from quantize import manifest as manifest_file
-from quantize.records import Distribution, LmEval, Manifest, Report
+from quantize.records import Manifest, Report
 
-from . import distribution, lmeval, refcache
+from . import distribution, gates as eval_gates, lmeval, refcache
 from .artifact import load_dequantized
-from .readable import machine, seconds_text
+from .readable import machine
 from .perplexity import EvalInputError, Protocol, batch_windows, load_eval_text, perplexity, protocol_record, windows
 from .smoke import decode_check, smoke, vllm_unavailable
 
@@ -225,52 +225,24 @@ class _Reference:
         self.model = None
 
 
-def _gates(ppl: dict | None, eopts, dist: dict | None = None) -> dict:
-    failures = []
-    if ppl is not None:
-        broken = [f"{name} {ppl[k]['ppl']}" for k, name in (("fp16", "reference"), ("quantized", "quantized"))
-                  if not math.isfinite(ppl[k]["ppl"])]
-        if broken:
-            failures.append(f"perplexity is not finite ({', '.join(broken)}): the model computes NaN or infinite "
-                            f"logits, so no gate can pass")
-        elif eopts.max_ppl_delta is not None and ppl["delta"] > eopts.max_ppl_delta:
-            failures.append(f"perplexity delta {ppl['delta']:.4f} > eval.max_ppl_delta {eopts.max_ppl_delta}")
-        if not broken and eopts.max_ppl_delta_pct is not None and ppl["delta_pct"] > eopts.max_ppl_delta_pct:
-            failures.append(f"perplexity delta {ppl['delta_pct']:.2f}% > eval.max_ppl_delta_pct "
-                            f"{eopts.max_ppl_delta_pct}%")
-    failures += _distribution_gates(dist, eopts)
-    return {"max_ppl_delta": eopts.max_ppl_delta, "max_ppl_delta_pct": eopts.max_ppl_delta_pct,
-            "max_kl": eopts.max_kl, "min_top1": eopts.min_top1, "failures": failures, "passed": not failures}
-
-
-def _distribution_gates(dist: dict | None, eopts) -> list[str]:
-    """eval.max_kl (mean KL, nats) and eval.min_top1 against the distribution record; NaN fails both."""
-    if not dist:
-        return []
-    out = []
-    kl, top1 = dist["kl_mean"], dist["top1"]
-    if eopts.max_kl is not None and not kl <= eopts.max_kl:  # `not <=`: a NaN fails
-        out.append(f"mean KL(reference || quantized) {kl:.4f} nats > eval.max_kl {eopts.max_kl}")
-    if eopts.min_top1 is not None and not top1 >= eopts.min_top1:
-        out.append(f"top-1 agreement with the reference {top1:.4f} < eval.min_top1 {eopts.min_top1}")
-    return out
-
-
-def _context(artifact: Path, base_spec: str, manifest: Manifest | None, compute_dtype, cache: dict | None) -> dict:
+def _context(artifact: Path, base_spec: str, manifest: Manifest | None, compute_dtype, cache: dict | None,
+             resolved: Sequence[ModelSource] = ()) -> dict:
     """What every step of one eval shares (and a comparison's variants of one base model reuse): the base
-    model's source, tokenizer and files' sha256, the device, dtype and batch."""
+    model's source (the one in `resolved` of this spec, else resolved now), tokenizer and files' sha256, the
+    device, dtype and batch."""
     device = eval_device(manifest)
     served = served_dtype(artifact, manifest)
     dtype = compute_dtype or eval_dtype(device, served)
     shared = cache.setdefault((base_spec, str(device), str(dtype)), {}) if cache is not None else {}
     if "src" not in shared:
-        shared["src"] = source.resolve(base_spec)
+        shared["src"] = next((s for s in resolved if s.spec == base_spec), None) or source.resolve(base_spec)
         shared["tokenizer"] = source.load_tokenizer(shared["src"])
     return {**shared, "device": device, "dtype": dtype, "served": served, "shared": shared}
 
 
 def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.dtype | None = None,
-             cache: dict | None = None, base_hashes: Sequence[refcache.HashAhead] = ()) -> Report:
+             cache: dict | None = None, base_hashes: Sequence[refcache.HashAhead] = (),
+             resolved: Sequence[ModelSource] = ()) -> Report:
     """Run the whole eval stage on `artifact` -> the report (`pipeline.stages.evaluate` writes it into the artifact).
 
     On the device that quantized it (CUDA: the artifact's 16-bit dtype; CPU: float32), one model on the device
@@ -280,6 +252,8 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
     model's files are resolved and hashed once.
     base_hashes: base models' files hashed ahead (`refcache.HashAhead`); the one of this base model is used where
     its files are as they were hashed.
+    resolved: base models a run's pre-flight resolved already (`pipeline.stages.BaseHashes.sources`); the one of
+    this base model is read as it was quantized from, not resolved again.
     """
     artifact = Path(artifact)
     manifest = manifest_file.read(artifact)
@@ -288,7 +262,7 @@ def evaluate(artifact: Path, base_spec: str | None, eopts, compute_dtype: torch.
         raise EvalInputError(f"{artifact}: no manifest names its base model; pass --base <model spec>")
     peak_reset = _reset_host_peak()
     timings: dict[str, float] = {}
-    ctx = _context(artifact, base_spec, manifest, compute_dtype, cache)
+    ctx = _context(artifact, base_spec, manifest, compute_dtype, cache, resolved)
     device, dtype = ctx["device"], ctx["dtype"]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -367,7 +341,7 @@ def _evaluate(artifact: Path, base_spec: str, eopts, manifest: Manifest | None, 
            "delta": delta, "delta_pct": 100 * delta / fp["ppl"]}
     lm = _lm_eval_report(lm_plan, lm_ref, lm_q, artifact, eopts.lm_eval, ctx["served"], timings)
     dist = q["distribution"]
-    gates = _gates(ppl, eopts, dist)
+    gates = eval_gates.check(ppl, eopts, dist)
     passed = gates["passed"] and smoke_res.get("passed", True)
     scored = {"device": refcache.device_kind(device), "dtype": str(dtype).removeprefix("torch."),
               "windows_per_forward": ctx["batch"], "reference_cache": cache_info,
@@ -385,112 +359,3 @@ def _evaluate(artifact: Path, base_spec: str, eopts, manifest: Manifest | None, 
         "quantize_timings_s": manifest.timings_s if manifest else None, "eval_timings_s": timings, "passed": passed,
     })
     return report.written()
-
-
-def _distribution_md(d: Distribution | None) -> list[str]:
-    """The KL / top-1 section of the report."""
-    if not d:
-        return []
-    return ["## Distance from the reference's next-token distribution", "",
-            f"Per predicted token of the perplexity windows ({d.tokens} tokens, from the same forwards): "
-            f"KL(reference || quantized) in nats, over the reference's top-{d.k} tokens plus one bucket for the "
-            f"rest (a lower bound of the full-vocabulary KL; the reference's tokens outside its top {d.k} hold "
-            f"{d.tail_mass_mean:.3f} of its mass on average, and the full KL exceeds this one by at most "
-            f"{d.kl_gap_bound_mean:.3f} per token on average), and top-1 agreement (exact).", "",
-            "| KL mean | KL median | KL p99 | KL max | top-1 agreement |", "|---:|---:|---:|---:|---:|",
-            f"| {d.kl_mean:.4f} | {d.kl_median:.4f} | {d.kl_p99:.4f} | {d.kl_max:.3f} | {d.top1:.4f} |",
-            "", "Worst windows: " + ", ".join(f"#{w.window} (KL {w.kl_mean:.4f}, top-1 {w.top1:.3f})"
-                                              for w in d.worst_windows), ""]
-
-
-def _errors_md(top: list | None) -> list[str]:
-    """The ten linears with the largest relative output error (from the manifest; `quantize.methods.output_error`)."""
-    if not top:
-        return []
-    return ["## Where the error comes from", "",
-            "Relative output error ||X(W-Q)ᵀ|| / ||XWᵀ|| of each linear on its calibration inputs, recorded as "
-            "the method ran (all of them: `manifest.json`, `output_error`). The ten largest:", "",
-            "| layer | linear | error |", "|---:|---|---:|",
-            *[f"| {x.layer} | {x.linear} | {x.error:.4f} |" for x in top], ""]
-
-
-def _lm_eval_md(lm: LmEval | None) -> list[str]:
-    """lm-eval's scores of both models and their difference, the vLLM backend's, and the tasks that did not run."""
-    if lm is None or lm.skipped is not None:
-        return [f"Skipped: {lm.skipped if lm is not None else 'not recorded'}"]
-    cached = lm.reference is not None and lm.reference.cached
-    lines = [f"Tasks {', '.join(lm.tasks or [])}" + (f", {lm.limit} documents each" if lm.limit else "")
-             + "; scored by lm-eval on the models this eval holds (reference"
-             + (" from the cache" if cached else "") + ").", ""]
-    if lm.quantized:
-        lines += ["| task | metric | FP16 (base) | quantized | Δ | quantized, vLLM backend |",
-                  "|---|---|---:|---:|---:|---:|"]
-        vllm = lm.vllm.scores if lm.vllm else {}
-        for task, metrics in lm.quantized.scores.items():
-            for m, v in metrics.items():
-                ref = lm.reference.scores.get(task, {}).get(m)
-                vv = vllm.get(task, {}).get(m)
-                diff = lm.difference[task].get(m)
-                lines.append(f"| {task} | {m} | {_num(ref)} | {_num(v)} | {_num(diff, '+.4f')} | {_num(vv)} |")
-    v = lm.vllm
-    if v is not None and v.skipped is not None:
-        lines += ["", f"lm-eval's vLLM backend: skipped ({v.skipped})."]
-    elif v is not None and v.error is not None:
-        lines += ["", f"lm-eval's vLLM backend failed: {v.error}"]
-    elif v is not None and v.exit is not None:
-        lines += ["", f"lm-eval's vLLM backend: {v.exit}."]
-    for task, why in lm.not_run.items():
-        lines += ["", f"- `{task}`: {why}"]
-    return lines
-
-
-def _num(v, spec: str = ".4f") -> str:
-    return "n/a" if v is None else format(v, spec)
-
-
-def render_markdown(r: Report) -> str:
-    p, s, g = r.perplexity, r.vllm_smoke, r.gates
-    lines = [
-        f"# Evaluation report: `{Path(r.artifact).name}`", "",
-        f"Base model `{r.base_model}` · {r.date} · {r.machine} · **{'PASSED' if r.passed else 'FAILED'}**",
-        "", "## Perplexity", "",
-        f"Protocol: {modelcard.protocol_sentence(p.protocol)}; {modelcard.scored_sentence(r)}.",
-        "",
-        "| model | perplexity | Δ | Δ % |", "|---|---:|---:|---:|",
-        f"| FP16 (base) | {p.fp16.ppl:.4f} | | |",
-        f"| quantized (decoded from the artifact) | {p.quantized.ppl:.4f} | {p.delta:+.4f} | "
-        f"{p.delta_pct:+.2f} |", "",
-        f"Gates: max Δ {g.max_ppl_delta}, max Δ% {g.max_ppl_delta_pct}, max KL "
-        f"{g.max_kl}, min top-1 {g.min_top1}: "
-        + ("passed" if g.passed else "FAILED: " + "; ".join(g.failures)), "",
-        *_distribution_md(r.distribution), *_errors_md(r.output_error_worst),
-        "## vLLM smoke-load", "",
-    ]
-    if s.skipped is not None:
-        lines.append(f"Skipped: {s.skipped}" + (f" (it would ask on `{s.endpoint}`)" if s.endpoint else ""))
-    else:
-        lines += [f"Result: **{'passed' if s.passed else 'FAILED'}**; checks: "
-                  + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in s.checks.items())]
-        if s.served_name:
-            answer = s.answer or {}
-            lines += ["", f"Served by vLLM's OpenAI-compatible server as `{s.served_name}` (start-up {s.load_s} s); "
-                      f"asked on `{s.endpoint}` ({s.endpoint_why}): {json.dumps(answer.get('prompt'))} "
-                      f"-> {json.dumps(answer.get('content'))}; a wrong model name: "
-                      f"{s.wrong_name if s.wrong_name is not None else 'not tried'}"]
-        if s.checks.get("loaded"):
-            lines += [f"Method `{s.method}` (artifact declares `{s.expected_method}`); kernels: "
-                      f"{', '.join(s.kernels or ['not logged'])}; load {s.load_s} s; "
-                      f"{s.tokens_per_s} generated tokens/s; teacher-forced top-1 agreement of its greedy tokens "
-                      f"with FP16: {s.token_agreement}, with our own decoding of the artifact: "
-                      f"{s.decode_agreement if s.decode_agreement is not None else 'not measured'}",
-                      *([f"", modelcard.capacity_sentence(s.capacity_check)] if s.capacity_check else []),
-                      "", "| prompt | completion |", "|---|---|"]
-            for x in s.samples:
-                esc = lambda t: t.replace("|", "\\|").replace("\n", "⏎")  # noqa: E731
-                lines.append(f"| {esc(x['prompt'])} | {esc(x['completion'])} |")
-        for e in s.errors:
-            lines.append(f"\n- error: {e}")
-    lines += ["", "## lm-eval", "", *_lm_eval_md(r.lm_eval), "",
-              "## Timings", "", f"quantize: {seconds_text(r.quantize_timings_s)}", "",
-              f"eval: {seconds_text(r.eval_timings_s)}", ""]
-    return "\n".join(lines)

@@ -8,7 +8,6 @@ Exit codes: 0 done; 2 a user error (one line, `error: ...`); 3 an eval gate, the
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 from quantize.errors import UserError
 from quantize.paths import check_output_parent, child
 from quantize.recipe import EvalOptions, RecipeError, list_recipes, load_recipe, load_variants
-from . import bytecode, compare_cli
+from . import bytecode, compare_cli, register_cli
 from .oom import is_out_of_memory, oom_message
 
 
@@ -58,31 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-windows", type=int, help="override the perplexity window count")
     e.add_argument("--no-vllm", action="store_true", help="skip the vLLM smoke-load")
     compare_cli.add_parser(sub, common)
-    rg = sub.add_parser("register", parents=[common],
-                        help="register evaluated artifacts in the MLflow model registry (default: SQLite file "
-                             "registry/mlflow.db; MLFLOW_TRACKING_URI for a server); several (a sweep, a "
-                             "comparison) become versions of one registered model")
-    rg.add_argument("recipes", nargs="*", metavar="recipe",
-                    help="recipe names or YAML paths: registers artifacts/<name>/; a sweep recipe registers each "
-                         "variant")
-    rg.add_argument("--artifact", help="artifact directory (instead of a recipe name)")
-    rg.add_argument("--comparison", metavar="NAME",
-                    help="every variant of <out>/compare-NAME.json, as versions of registered model NAME")
-    rg.add_argument("--name", help="registered model name (default: the artifact's name; for several, the "
-                                   "comparison's name or the recipes' common prefix)")
-    rg.add_argument("--alias", help="an MLflow alias (e.g. champion) for the version registered now; serve it as "
-                                    "models:/<name>@<alias>")
-    rg.add_argument("--variant", help="with several artifacts and --alias: the one the alias marks")
-    rg.add_argument("--out", default="artifacts", help="parent directory of the artifacts (default: artifacts)")
-    rg.add_argument("--by-reference", action="store_true", help="record the artifact's location, do not copy it")
-    rg.add_argument("--storage-uri", help="where the artifact lives for consumers (s3://..., implies --by-reference)")
-    ls = sub.add_parser("registry", parents=[common], help="list registered versions with their metrics")
-    ls.add_argument("--name", help="one registered model only")
-    ls.add_argument("--json", action="store_true", help="print the versions as JSON (tags, metrics, aliases, source)")
-    ls.add_argument("--ui", action="store_true",
-                    help="serve MLflow's own web UI on the registry (registry/mlflow.db) until Ctrl-C")
-    ls.add_argument("--host", default="127.0.0.1", help="with --ui: the address to bind (default 127.0.0.1)")
-    ls.add_argument("--port", type=int, default=5000, help="with --ui: the port (default 5000)")
+    register_cli.add_parsers(sub, common)
     sv = sub.add_parser("serve", parents=[common],
                         help="vLLM's OpenAI-compatible server on an artifact: a recipe's, a directory, or a "
                              "registered version (models:/<name>@<alias> or models:/<name>/<version>)")
@@ -213,13 +188,15 @@ def _main_handled(argv: list[str] | None) -> int:
             signal.signal(s, handler)
 
 
-def _run_command(args, recipe) -> int:
-    """`run`: quantize, then evaluate unless the recipe or --no-eval says not to. Under torchrun (WORLD_SIZE > 1)
-    every rank quantizes its share; rank 0 alone holds the lock, writes the artifact and evaluates it."""
+def _run_command(args, recipe, out: Path) -> int:
+    """`run` of the parsed recipe into `out`: quantize, then evaluate unless the recipe or --no-eval says not to.
+    Under torchrun (WORLD_SIZE > 1) every rank quantizes its share; rank 0 alone holds the lock, writes the artifact
+    and evaluates it. The device is decided here, once, for the start line, the quantize stage and its hook."""
     from eval import gpu_share
     from quantize import runner
     from quantize.capture import distributed
     from quantize.lock import output_lock
+    from quantize.preflight.checks import pick_device
 
     from . import expect, stages
 
@@ -229,7 +206,7 @@ def _run_command(args, recipe) -> int:
         writer = dist is None or dist.rank == 0
         with ExitStack() as held:
             # one lock over quantize and eval: no other run can replace the artifact while it is being scored
-            take = lambda: held.enter_context(output_lock(child(args.out, recipe.name, "recipe name")))  # noqa: E731
+            take = lambda: held.enter_context(output_lock(out))  # noqa: E731
             if dist is None:
                 take()
             else:  # a refused lock on rank 0 stops every rank
@@ -238,11 +215,12 @@ def _run_command(args, recipe) -> int:
                 evaluates = recipe.eval.enabled and not args.no_eval
                 if evaluates and writer:  # a GPU another process holds is said now, not after the quantize stage
                     gpu_share.warn_before_eval(recipe.eval)
+                device = pick_device(recipe)
                 if writer:  # a slow CPU and a skipped smoke are said now, not after minutes
-                    expect.announce(recipe, evaluates)
+                    expect.announce(recipe, evaluates, device)
                 check = hashes.before_weights if writer else stages.check_eval_inputs
-                out = runner.run(args.recipe, out_root=args.out, force=args.force, locked=True, dist=dist,
-                                 before_weights=check if evaluates else None)
+                written = runner.run(recipe, out_root=args.out, force=args.force, locked=True, dist=dist,
+                                     before_weights=check if evaluates else None, out=out, device=device)
             except BaseException as e:  # noqa: BLE001 - the first failing rank's message is the one to show
                 if dist is None:
                     raise
@@ -252,10 +230,10 @@ def _run_command(args, recipe) -> int:
                 raise shown from e
             if not writer:
                 return 0
-            print(out)
+            print(written)
             if recipe.eval.enabled and not args.no_eval:
                 try:
-                    return run_eval(out, None, recipe.eval, hashes=hashes)
+                    return run_eval(written, None, recipe.eval, hashes=hashes)
                 except RuntimeError as e:
                     e.during_eval = True  # an out-of-memory message then says the artifact was written
                     raise
@@ -277,7 +255,7 @@ def _main(args) -> int:
         if args.cmd not in ("run", "preflight", "eval") or not is_out_of_memory(e) or args.debug:
             raise
         during_eval = args.cmd == "eval" or getattr(e, "during_eval", False)
-        print(f"error: {oom_message(e, args.recipe, during_eval)}", file=sys.stderr)
+        print(f"error: {oom_message(e, args.recipe, during_eval, getattr(e, 'recipe', None))}", file=sys.stderr)
         return 2
 
 
@@ -310,100 +288,38 @@ def _command(args) -> int:
     if args.cmd == "compare":
         return compare_cli.command(args)
     if args.cmd == "register":
-        return _register_command(args)
+        return register_cli.register_command(args)
     if args.cmd == "registry":
-        from . import registry
-
-        if args.ui:
-            return _registry_ui(registry.ui_command(args.host, args.port), args.host, args.port)
-        rows = registry.versions(args.name)
-        print(json.dumps(rows, indent=2) if args.json else registry.table(rows))
-        return 0
-    if args.cmd in ("run", "preflight"):
-        _refuse_targets_early(args)
-    if args.cmd == "preflight":
-        from quantize import runner
-
-        from . import stages
-
-        print(runner.preflight_only(args.recipe, out_root=args.out, force=args.force,
-                                    before_weights=stages.check_eval_inputs, json_path=args.json))
-        return 0
+        return register_cli.registry_command(args)
     if args.cmd == "serve":
         from .serve import serve_command
 
         return serve_command(args)
-    recipe = load_recipe(args.recipe)
-    check_output_parent(args.out)
-    return _run_command(args, recipe)
+    recipe, out = _recipe_and_out(args)
+    try:
+        if args.cmd == "preflight":
+            from quantize import runner
+
+            from . import stages
+
+            print(runner.preflight_only(recipe, out_root=args.out, force=args.force,
+                                        before_weights=stages.check_eval_inputs, json_path=args.json, out=out))
+            return 0
+        return _run_command(args, recipe, out)
+    except RuntimeError as e:
+        e.recipe = recipe  # an out-of-memory message then names the values this run used
+        raise
 
 
-def _refuse_targets_early(args) -> None:
-    """A recipe's serve.targets refused from config.json alone, before `runner` imports torch (seconds); pre-flight
-    checks them again and decides what this leaves open (quantize.preflight.targets.refuse_targets_early)."""
+def _recipe_and_out(args):
+    """`run` and `preflight`: the recipe, parsed here once and passed on, and its artifact directory under --out,
+    worked out and checked once. A serve.targets the recipe cannot meet is refused from config.json alone, before
+    `runner` imports torch (seconds); pre-flight checks them again and decides what this leaves open
+    (quantize.preflight.targets.refuse_targets_early)."""
     from quantize.preflight.targets import refuse_targets_early
 
     recipe = load_recipe(args.recipe)
     check_output_parent(args.out)
-    refuse_targets_early(recipe, child(args.out, recipe.name, "recipe name"), args.force)
-
-
-def _registry_ui(cmd: list[str], host: str, port: int) -> int:
-    """Run MLflow's server in the foreground; Ctrl-C (or SIGTERM) stops it and its workers."""
-    import subprocess
-
-    print(f"MLflow UI on the registry: http://{'localhost' if host in ('127.0.0.1', '0.0.0.0') else host}:{port} "
-          f"(Ctrl-C stops it)", flush=True)
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-        return 0
-
-
-def _register_command(args) -> int:
-    from quantize.lock import output_lock
-
-    from . import registry
-
-    if args.variant and not args.alias:
-        raise RecipeError("--variant names the version an --alias marks; add --alias NAME (e.g. --alias champion)")
-    artifacts, name = _register_targets(args)
-    chosen = registry.chosen(artifacts, args.variant) if args.alias else None
-    with ExitStack() as held:
-        for artifact in artifacts:  # no run replaces one while it is checked and copied
-            held.enter_context(output_lock(artifact))
-        results = registry.register_many(artifacts, name, True if args.by_reference else None, args.storage_uri,
-                                         args.alias, chosen)
-    for res in results:
-        alias = f", alias @{res['alias']}" if res.get("alias") else ""
-        print(f"registered {res['name']} version {res['version']} ({res['variant']}, group size "
-              f"{res['group_size']}{alias}) in {res['tracking_uri']} (source {res['source']})")
-    return 0
-
-
-def _register_targets(args) -> tuple[list[Path], str | None]:
-    """`register`'s arguments -> (artifact directories, registered model name or None for the artifact's own)."""
-    from . import registry
-
-    given = [bool(args.recipes), bool(args.artifact), bool(args.comparison)]
-    if sum(given) != 1:
-        raise RecipeError("give exactly one of: recipe names (or YAML paths), --artifact DIR, --comparison NAME")
-    if args.artifact:
-        artifacts = [Path(args.artifact)]
-    elif args.comparison:
-        artifacts = registry.comparison_artifacts(Path(args.out), args.comparison)
-    else:
-        artifacts = [child(args.out, v.name, "recipe name") for n in args.recipes for v in load_variants(n)]
-    for artifact in artifacts:
-        if not artifact.is_dir():
-            raise registry.RegistryError(f"{artifact} does not exist; run make quantize RECIPE=... (or make compare) "
-                                         f"first")
-    name = args.name or args.comparison
-    if name is None and len(artifacts) > 1:
-        from .compare import default_name
-
-        name = default_name([Path(n).stem for n in args.recipes])
-    return artifacts, name
+    out = child(args.out, recipe.name, "recipe name")
+    refuse_targets_early(recipe, out, args.force)
+    return recipe, out

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from eval import smoke
 from quantize.export import cpu_serve
-from quantize.preflight import checks
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +62,10 @@ def cpu_line(cpu: dict | None, cores: int, smoke_skipped: str | None, measured: 
     return line
 
 
-def announce(recipe, evaluates: bool) -> None:
-    """Log `cpu_line` for a run of `recipe` when it computes on the CPU (one line; call it once per run)."""
-    if checks.pick_device(recipe).type != "cpu":
+def announce(recipe, evaluates: bool, device) -> None:
+    """Log `cpu_line` for a run of `recipe` when it computes on the CPU, `device` (one line; call it once per
+    run)."""
+    if device.type != "cpu":
         return
     cpu = cpu_serve.facts()
     if cpu is None or cpu["avx512"]:

@@ -61,16 +61,19 @@ def git_commit() -> dict:
         return {"commit": None, "dirty": None}
 
 
-def preflight_only(recipe_name: str, out_root: str | Path = "artifacts", force: bool = False,
-                   before_weights: BeforeWeights | None = None, json_path: str | Path | None = None) -> str:
+def preflight_only(recipe: Recipe | str | Path, out_root: str | Path = "artifacts", force: bool = False,
+                   before_weights: BeforeWeights | None = None, json_path: str | Path | None = None,
+                   out: Path | None = None) -> str:
     """Every pre-flight check of `run`, no weights loaded -> the report for the terminal (the table once); the
-    plan's JSON is written to json_path (default <out_root>/<name>.preflight.json), which the report names."""
-    recipe = load_recipe(recipe_name)
-    out = child(out_root, recipe.name, "recipe name")
-    check_output_parent(out_root)
+    plan's JSON is written to json_path (default <out_root>/<name>.preflight.json), which the report names.
+    recipe: a parsed recipe, or its name or YAML path; out: its artifact directory where the caller has worked it
+    out (`paths.child`) and checked out_root already."""
+    recipe = _parsed(recipe)
+    if out is None:
+        out = _artifact_dirs([recipe], out_root)[0]
     json_path = Path(json_path) if json_path else child(out_root, f"{recipe.name}.preflight.json", "recipe name")
     check_output_parent(json_path.parent, "--json")
-    pf = _checked([recipe], [out], force, Timings(), before_weights=before_weights)
+    pf = _checked([recipe], [out], force, Timings(), pick_device(recipe), before_weights=before_weights)
     c, the_plan = recipe.calibration, pf.plans[0]
     calib_line = (f"calibration: {c.n_samples} x {c.seq_len} tokens from {pf.calib_record['source']}"
                   if pf.calib_record else "calibration: none (rtn)")
@@ -94,10 +97,23 @@ def share_key(recipe: Recipe) -> tuple:
     return tuple(repr(d[k]) for k in SHARED_KEYS)
 
 
-def _checked(recipes: list[Recipe], outs: list[Path], force: bool, timings: Timings, run: bool = False,
-             before_weights: BeforeWeights | None = None) -> Checked:
-    """Pre-flight of a pass over `recipes` into `outs` (`preflight.stage.preflight`), once the recipes are known to
-    share a pass and no output is in the way (unless `force`)."""
+def _parsed(recipe: Recipe | str | Path) -> Recipe:
+    """A recipe as callers give it: parsed already (the command line parses it once), or its name or YAML path."""
+    return recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+
+
+def _artifact_dirs(recipes: list[Recipe], out_root: str | Path) -> list[Path]:
+    """<out_root>/<name> for each recipe, each name checked to stay inside out_root, and out_root checked to be a
+    directory this process can write in."""
+    outs = [child(out_root, r.name, "recipe name") for r in recipes]
+    check_output_parent(out_root)
+    return outs
+
+
+def _checked(recipes: list[Recipe], outs: list[Path], force: bool, timings: Timings, device: torch.device,
+             run: bool = False, before_weights: BeforeWeights | None = None) -> Checked:
+    """Pre-flight of a pass over `recipes` into `outs` on `device` (`preflight.stage.preflight`), once the recipes
+    are known to share a pass and no output is in the way (unless `force`)."""
     if len({share_key(r) for r in recipes}) != 1:
         diff = [k for k in SHARED_KEYS if len({repr(r.to_dict()[k]) for r in recipes}) > 1]
         raise PreflightError(f"recipes {[r.name for r in recipes]} cannot share a pass: they differ in {diff}")
@@ -107,21 +123,25 @@ def _checked(recipes: list[Recipe], outs: list[Path], force: bool, timings: Timi
         if out.exists() and not force:
             raise export.OutputExistsError(f"output {out} already exists; remove it or pass --force "
                                            f"(make ... FORCE=1)")
-    return preflight(recipes, outs, timings, run, before_weights)
+    return preflight(recipes, outs, timings, device, run, before_weights)
 
 
-def run(recipe_name: str | Path, out_root: str | Path = "artifacts", force: bool = False,
+def run(recipe: Recipe | str | Path, out_root: str | Path = "artifacts", force: bool = False,
         locked: bool = False, runlog: RunLog | None = None, dist: Dist | None = None,
-        before_weights: BeforeWeights | None = None) -> Path:
-    """Quantize per recipe -> the artifact directory. `<out>.lock` is held for the whole run (locked: the caller
-    holds it already, to keep it over the eval that follows). runlog: filled with the run's timings.
-    dist: one of several ranks (`distributed.init_from_env`); rank 0 alone writes the artifact."""
-    return run_many([load_recipe(recipe_name)], out_root, force, locked, runlog, dist, before_weights)[0]
+        before_weights: BeforeWeights | None = None, out: Path | None = None,
+        device: torch.device | None = None) -> Path:
+    """Quantize per recipe (a parsed recipe, or its name or YAML path) -> the artifact directory. `<out>.lock` is
+    held for the whole run (locked: the caller holds it already, to keep it over the eval that follows). runlog:
+    filled with the run's timings. dist: one of several ranks (`distributed.init_from_env`); rank 0 alone writes
+    the artifact. out, device: what the caller has worked out already (see `run_many`)."""
+    return run_many([_parsed(recipe)], out_root, force, locked, runlog, dist, before_weights,
+                    outs=None if out is None else [out], device=device)[0]
 
 
 def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: bool = False,
              locked: bool = False, runlog: RunLog | None = None, dist: Dist | None = None,
-             before_weights: BeforeWeights | None = None) -> list[Path]:
+             before_weights: BeforeWeights | None = None, outs: list[Path] | None = None,
+             device: torch.device | None = None) -> list[Path]:
     """Quantize several recipes of one model in one pass -> their artifact directories (in order).
 
     One model load, one calibration set, and one trip of each decoder layer to the device serve every recipe;
@@ -130,9 +150,12 @@ def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: b
     device memory (`runlog.RunLog`).
     dist: several ranks share the pass (`distributed`); only rank 0 takes the locks and writes, the others return
     the same paths once rank 0 has written them (or raise rank 0's error).
+    outs: the artifact directories where the caller has worked them out (`paths.child`) and checked out_root;
+    device: the device the pass computes on where the caller has decided it (`pick_device`). Each is worked out
+    here otherwise, once, and handed to the warm-up, pre-flight and its before_weights hook.
     """
-    outs = [child(out_root, r.name, "recipe name") for r in recipes]
-    check_output_parent(out_root)
+    if outs is None:
+        outs = _artifact_dirs(recipes, out_root)
     writer = dist is None or dist.rank == 0
     with ExitStack() as locks:
         for out in outs:
@@ -140,12 +163,14 @@ def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: b
                 locks.enter_context(output_lock(out))
             if writer:
                 export.remove_stale(out)  # what a killed run of this output left; no live run can own it now
+        if device is None:
+            device = pick_device(recipes[0])
         if dist is None:  # the kernels the pass will launch, compiled by a side process meanwhile (CUDA only)
-            locks.enter_context(warmup.started(*_warmup_launches(recipes)))
-        return _run_many(recipes, outs, force, runlog, dist, before_weights)
+            locks.enter_context(warmup.started(*_warmup_launches(recipes, device)))
+        return _run_many(recipes, outs, force, runlog, device, dist, before_weights)
 
 
-def _warmup_launches(recipes: list[Recipe]) -> tuple[list[dict], str]:
+def _warmup_launches(recipes: list[Recipe], device: torch.device) -> tuple[list[dict], str]:
     """What the side process should compile for a run of these recipes (`methods.warmup`), and on which device:
     nothing where it cannot help (no CUDA device, no compiling triton, a GPU in an exclusive compute mode) or the
     model's shapes are not readable from its config.json alone (pre-flight then says why, with its own message)."""
@@ -153,7 +178,6 @@ def _warmup_launches(recipes: list[Recipe]) -> tuple[list[dict], str]:
     if not warmup.enabled():  # a value it does not know is refused here, before the model is read
         return [], ""
     try:
-        device = pick_device(first)
         config = source.config_json(first.model, first.trust_remote_code) if device.type == "cuda" else None
         if config is None or not warmup.usable():
             return [], ""
@@ -163,13 +187,14 @@ def _warmup_launches(recipes: list[Recipe]) -> tuple[list[dict], str]:
         return [], ""
 
 
-def _run_many(recipes: list[Recipe], outs: list[Path], force: bool, runlog: RunLog | None,
+def _run_many(recipes: list[Recipe], outs: list[Path], force: bool, runlog: RunLog | None, device: torch.device,
               dist: Dist | None = None, before_weights: BeforeWeights | None = None) -> list[Path]:
     timings = Timings()
     if dist is None:
-        pf = _checked(recipes, outs, force, timings, run=True, before_weights=before_weights)
+        pf = _checked(recipes, outs, force, timings, device, run=True, before_weights=before_weights)
     else:  # every rank checks and calibrates on its own; a failure on any stops all, with its message
-        pf = dist.agree(lambda: _checked(recipes, outs, force, timings, run=True, before_weights=before_weights))
+        pf = dist.agree(lambda: _checked(recipes, outs, force, timings, device, run=True,
+                                         before_weights=before_weights))
         if pf.device.type == "cuda":
             pf.device = dist.device  # cuda:LOCAL_RANK
     first, device, compute_dtype = recipes[0], pf.device, pf.compute_dtype

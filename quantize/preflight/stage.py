@@ -28,12 +28,14 @@ from ..runlog import Timings
 from ..source import ModelSource, integrity, load as source
 from ..source.arch import Arch, UnsupportedArchitecture, arch_for
 from .checks import (NO_TARGETS, ROUTER_KEPT, Plan, check_free_disk, check_targets, cpu_moe_refusal, once_per_layer,
-                     pick_device, plan, table_lacks)
+                     plan, table_lacks)
 
 log = logging.getLogger(__name__)
 
 
-BeforeWeights = Callable[[list[Recipe], Any], None]
+# before_weights(recipes, tokenizer, src, device): the caller's own checks of what follows the run, given what
+# pre-flight has established by then (the resolved model, the device)
+BeforeWeights = Callable[[list[Recipe], Any, ModelSource, torch.device], None]
 
 
 @dataclass
@@ -52,17 +54,19 @@ class Checked:
     cuda_allocator: str | None = None  # the CUDA allocator settings the run used (`device.configure_allocator`)
 
 
-def preflight(recipes: list[Recipe], outs: list[Path], timings: Timings, run: bool = False,
+def preflight(recipes: list[Recipe], outs: list[Path], timings: Timings, device: torch.device, run: bool = False,
               before_weights: BeforeWeights | None = None) -> Checked:
     """Every check of the model, the recipes and the machine that needs no weights, in timed stages `preflight`
     and `calibrate` -> Checked. recipes: those sharing one pass (the runner has checked that they can, and that no
-    output is in the way); outs: their artifact directories, in order.
+    output is in the way); outs: their artifact directories, in order; device: where the pass computes (the
+    runner decides it once, `checks.pick_device`, before the warm-up that needs it too).
 
     Untrusted custom code or pickle-only weights, unsupported architecture, shapes the format or vLLM's kernels
     cannot take, too little free disk for all outputs, too little calibration text: each raises its own error
     with what to change, before the model is loaded.
     run: a run follows (not `preflight_only`): the CUDA allocator is configured once the checks have passed.
-    before_weights(recipes, tokenizer): the caller's own checks of what follows the run (the eval's inputs).
+    before_weights(recipes, tokenizer, src, device): the caller's own checks of what follows the run (the eval's
+    inputs), and what it starts ahead of the run with the model resolved here (the eval's hash of its files).
     """
     first = recipes[0]
     with timings.stage("preflight"):
@@ -85,9 +89,8 @@ def preflight(recipes: list[Recipe], outs: list[Path], timings: Timings, run: bo
         plans = [_plan_and_log(r, config, arch, table=run) for r in recipes]
         lap("plan")
         if before_weights is not None:
-            before_weights(recipes, source.load_tokenizer(src, first.trust_remote_code))
+            before_weights(recipes, source.load_tokenizer(src, first.trust_remote_code), src, device)
             lap("eval inputs")
-        device = pick_device(first)
         for r in recipes:
             check_kernels(r, device)
         compute_dtype = pick_compute_dtype(first, device)

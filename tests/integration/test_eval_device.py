@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eval import refcache, report
+from eval import gates, refcache, report
 from tests.conftest import eval_main
 from eval.perplexity import Protocol, protocol_record, windows
 from quantize import manifest, runner
@@ -94,11 +94,11 @@ def test_model_hash_covers_every_piece(tmp_path, monkeypatch):
 def test_nan_fails_every_gate():
     nan = {"protocol": {}, "fp16": {"ppl": 20.0}, "quantized": {"ppl": math.nan}, "delta": math.nan,
            "delta_pct": math.nan}
-    for gates in ({"max_ppl_delta": None, "max_ppl_delta_pct": None}, {"max_ppl_delta": 1.0, "max_ppl_delta_pct": 5}):
-        g = report._gates(nan, EvalOptions(**gates))
+    for limits in ({"max_ppl_delta": None, "max_ppl_delta_pct": None}, {"max_ppl_delta": 1.0, "max_ppl_delta_pct": 5}):
+        g = gates.check(nan, EvalOptions(**limits))
         assert not g["passed"] and "perplexity is not finite (quantized nan)" in g["failures"][0]
     inf_ref = {**nan, "fp16": {"ppl": math.inf}, "quantized": {"ppl": 20.0}}
-    assert not report._gates(inf_ref, EvalOptions(max_ppl_delta_pct=None))["passed"]
+    assert not gates.check(inf_ref, EvalOptions(max_ppl_delta_pct=None))["passed"]
 
 
 @pytest.fixture(scope="module")

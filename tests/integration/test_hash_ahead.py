@@ -56,7 +56,10 @@ def test_cancel_stops_the_hash(model):
 @pytest.fixture
 def as_if_cuda(monkeypatch, tmp_path):
     """The run's hook sees a CUDA run (the quantize and eval stages still compute on the CPU)."""
-    monkeypatch.setattr(stages, "pick_device", lambda recipe: torch.device("cuda"))
+    real = stages.BaseHashes.before_weights
+    monkeypatch.setattr(stages.BaseHashes, "before_weights",
+                        lambda self, recipes, tokenizer, src, device: real(self, recipes, tokenizer, src,
+                                                                           torch.device("cuda")))
     monkeypatch.setattr(refcache, "cache_dir", lambda: tmp_path / "cache")
 
 

@@ -31,6 +31,8 @@ DEFERS = {          "quantize.formats": ("quantize.formats.", "quantize.methods.
           "pipeline.cli": ("quantize.", "pipeline.", "eval.gpu_share", "torch", "subprocess"),
           # compare's arguments are parsed on every command line (--help too); the comparison itself loads torch
           "pipeline.compare_cli": ("pipeline.compare",),
+          # so are the registry's: as in pipeline.cli, each command imports what it needs where it runs
+          "pipeline.register_cli": ("quantize.", "pipeline.", "subprocess"),
           # the bytecode cache is prepared before the command line's own imports (pipeline/bytecode.py)
           "pipeline.__main__": ("pipeline.cli",),
           "pipeline.oom": ("torch",)}

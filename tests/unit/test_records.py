@@ -33,7 +33,7 @@ def test_a_written_manifest_and_report_read_and_write_back_byte_for_byte(run):
 
 @pytest.mark.parametrize("run", RUNS)
 def test_the_card_and_the_report_render_from_the_records_as_that_run_wrote_them(run):
-    from eval.report import render_markdown
+    from eval.report_md import render_markdown
 
     m, r = manifest.read(RECORDS / run), manifest.read_report(RECORDS / run)
     assert isinstance(m, Manifest) and isinstance(r, Report)

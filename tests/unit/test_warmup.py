@@ -83,26 +83,26 @@ def test_rows_keep_the_class_of_out_features(tmp_path):
 def test_only_on_cuda_and_when_allowed(tmp_path, monkeypatch):
     model = build_tiny_model(tmp_path / "m", "llama")
     cpu = load_recipe(str(tiny_recipe(tmp_path, model, name="c", device="cpu")))
-    assert runner._warmup_launches([cpu]) == ([], "")
+    assert runner._warmup_launches([cpu], torch.device("cpu")) == ([], "")
     # a CUDA run with every condition met gets the plan; any condition unmet, none
-    monkeypatch.setattr(runner, "pick_device", lambda r: torch.device("cuda"))
+    cuda = torch.device("cuda")
     monkeypatch.setattr(warmup, "usable", lambda: True)
-    launches, device = runner._warmup_launches([cpu])
+    launches, device = runner._warmup_launches([cpu], cuda)
     assert device == "cuda" and {warmup.key_of(x) for x in launches} == {"awq_fq_triton:64", "awq_clip_triton:64"}
     monkeypatch.setattr(warmup, "usable", lambda: False)
-    assert runner._warmup_launches([cpu]) == ([], "")
+    assert runner._warmup_launches([cpu], cuda) == ([], "")
     monkeypatch.setattr(warmup, "usable", lambda: True)
 
     def unreadable(*a):
         raise AssertionError("quantize/source/arch.py: no shapes entry for ['mlp.w3']")
     monkeypatch.setattr(launch_plan, "plan", unreadable)  # whatever goes wrong in planning, the run goes on without it
-    assert runner._warmup_launches([cpu]) == ([], "")
+    assert runner._warmup_launches([cpu], cuda) == ([], "")
     monkeypatch.setattr(warmup, "usable", lambda: True)
     monkeypatch.setenv(warmup.ENV, "off")
-    assert runner._warmup_launches([cpu]) == ([], "")
+    assert runner._warmup_launches([cpu], cuda) == ([], "")
     monkeypatch.setenv(warmup.ENV, "sometimes")
     with pytest.raises(UserError, match="QUANTIZE_TRITON_WARMUP='sometimes' is neither on nor off"):
-        runner._warmup_launches([cpu])
+        runner._warmup_launches([cpu], cuda)
 
 
 def test_an_unknown_setting_stops_the_run_before_the_model_is_read(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,162 @@
+"""manifest.json, written by quantize: what was quantized from what, how, and the files it holds."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from .base import Num, Record, stats_key
+
+
+class FormatRecord(Record):
+    name: str  # the recipe's `format:` (quantize/formats)
+    quant_method: str  # what config.json's quantization_config declares to vLLM
+
+
+class RecipeSnapshot(Record):
+    """The resolved recipe (`Recipe.to_dict()`): the keys readers use declared, every other setting kept."""
+
+    OPEN: ClassVar[bool] = True
+    name: str | None = None
+    method: str
+    w_bit: int
+    q_group_size: int
+    zero_point: bool
+    dtype: str
+    modules_to_not_convert: list[str] = []
+    serve: dict[str, Any] | None = None
+
+
+class ModelRecord(Record):
+    spec: str  # the recipe's `model` as given: a Hub id, a path, a GGUF
+    resolved: str | None = None  # the local directory it was read from
+    kind: str | None = None
+    gguf_sha256: str | None = None
+    architecture: list[str] | None = None
+    tie_word_embeddings: bool | None = None
+    license: str | None = None
+
+
+class Calibration(Record):
+    OPEN: ClassVar[bool] = True  # the calibration loader's provenance (source, hashes) may grow
+    dataset: str
+    n_samples: int
+    seq_len: int
+    seed: int
+
+
+class Deploy(Record):
+    """Pre-flight's deployability table: the kernel vLLM runs per compute capability and tensor-parallel size."""
+
+    OPEN: ClassVar[bool] = True
+    dtype: str
+    source: str
+    kernels: dict[str, dict[str, str]]
+
+
+class Capacity(Record):
+    """What serving the artifact costs in GPU memory (`quantize.export.capacity.facts`)."""
+
+    max_model_len: int
+    parameters: int
+    base_weight_bytes: int
+    artifact_weight_bytes: int
+    bits_per_weight: Num | None = None
+    size_vs_base: Num | None = None
+    kv_bytes_per_token: dict[str, int]
+    kv_bytes_per_sequence: dict[str, int]
+    gpu_memory_utilization: Num
+    sequences_that_fit: dict[str, dict[str, int]]
+
+
+class Experts(Record):
+    """One MoE layer's routing record inside a method's statistics."""
+
+    OPEN: ClassVar[bool] = True  # a method adds its own figures (a GPTQ loss) beside the counts
+    tokens: int
+    routed_tokens: list[int]
+    min_expert_tokens: int
+    calibrated_on_all_tokens: list[int]
+
+
+class FileRecord(Record):
+    sha256: str
+    bytes: int
+
+
+class ReportHashes(Record):
+    """The manifest's record of the eval: each report file's sha256 and whether the eval passed."""
+
+    report_json: str | None = Field(None, alias="report.json")
+    report_md: str | None = Field(None, alias="report.md")
+    passed: bool | None = None
+
+    def hashes(self) -> dict[str, str]:
+        """Every report file the manifest vouches for -> its sha256 (one a newer version adds included)."""
+        return {k: v for k, v in self.to_json().items() if k != "passed"}
+
+
+class Seal(Record):
+    """The part of a manifest that closes the artifact, every file's sha256 and the report's: all that
+    `manifest.verify` reads, so an artifact of any version that wrote these verifies (and a registered version
+    resolves) whatever the rest of its manifest holds."""
+
+    WHAT: ClassVar[str] = "manifest"
+    files: dict[str, FileRecord] = {}
+    report: ReportHashes | None = None
+
+
+class Manifest(Record):
+    """manifest.json: what was made, from what, how, and the sha256 of every file (`quantize.manifest`).
+
+    The method's per-layer statistics sit under a key the method names (`awq_stats`, `gptq_stats`, ...): read
+    them with `stats`. At export the card is rendered from a manifest without `files` yet."""
+
+    artifact: str
+    format: FormatRecord
+    recipe: RecipeSnapshot
+    model: ModelRecord
+    calibration: Calibration | None = None
+    quantized_modules: int | None = None
+    unconverted: list[str] | None = None
+    copied_unchanged: list[str] | None = None
+    notes: list[str] | None = None
+    skipped_linears: dict[str, str] | None = None
+    tensor_parallel_sizes: list[int] | None = None
+    deploy: Deploy | None = None
+    serve: dict[str, Any] | None = None  # vllm-serve.yaml's settings, flag name -> value
+    serve_endpoint: str | None = None
+    capacity: Capacity | None = None
+    output_error: dict[str, dict[str, Num]] | None = None  # layer -> linear -> relative output error
+    shared_pass: dict[str, Any] | None = None
+    device: str | None = None
+    compute_dtype: str | None = None
+    cuda_allocator: Any = None
+    versions: dict[str, Any] | None = None  # package -> version where it was quantized
+    cpu: dict[str, Any] | None = None  # the processor it was made on, for the card's CPU serve advice (cpu_serve)
+    git: dict[str, Any] | None = None
+    timings_s: dict[str, Num] | None = None
+    stage_parts_s: dict[str, dict[str, Num]] | None = None  # stage -> part -> seconds (`runlog.Timings.laps`)
+    pass_seconds: dict[str, Num] | None = None
+    distributed: dict[str, Any] | None = None
+    expert_plot: str | None = None
+    error_plot: str | None = None
+    files: dict[str, FileRecord] = {}
+    report: ReportHashes | None = None
+
+    @property
+    def stats_key(self) -> str:
+        return stats_key(self.recipe.method)
+
+    @property
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """The method's per-layer statistics, layer index -> record; {} when the manifest holds none."""
+        return (self.model_extra or {}).get(self.stats_key) or {}
+
+    def undeclared(self, where: str = "") -> list[str]:
+        return [k for k in super().undeclared(where) if k != f"{where}{self.stats_key}"]
+
+    def expert_layers(self) -> list[tuple[int, Experts]]:
+        """[(layer index, its routing record)] in layer order; [] for a dense model."""
+        return sorted((int(i), Experts.of(s["experts"])) for i, s in self.stats.items() if "experts" in s)
