@@ -1,19 +1,26 @@
 """A budgeted mixed group size: what each format stores per weight, the greedy choice within the budget, one size per
-module vLLM fuses, the compressed-tensors config groups and the recipe checks."""
+module vLLM fuses, the compressed-tensors config groups, the recipe checks and pre-flight's refusals."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
 from quantize import formats
+from quantize.formats import is_skipped
 from quantize.methods.job import Job
 from quantize.methods.layer import QuantResult
 from quantize.mixed import MixedJob, Unit, choose, units_of
+from quantize.preflight import deploy, targets
+from quantize.preflight.checks import LayerCheck, mixed_problems
 from quantize.recipe import Recipe, RecipeError, load_recipe
-from quantize.source.arch import ARCHITECTURES
+from quantize.source.arch import ARCHITECTURES, arch_for
+from quantize.source.load import ModelSource, read_config
 
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ARCHITECTURES["LlamaForCausalLM"]
 BASE = dict(name="x", model="m", method="awq", q_group_size=64, format="compressed-tensors")
 MIXED = dict(base_group=64, budget_bits_per_weight=4.4125, finer=[32])
@@ -189,3 +196,55 @@ def _err(tmp_path, **keys) -> str:
 ])
 def test_a_bad_mixed_block_is_refused_naming_what_to_change(tmp_path, keys, says):
     assert says in _err(tmp_path, **keys)
+
+
+# ---- pre-flight: shapes and serve.targets ----
+
+def _config(name: str):
+    return read_config(ModelSource("x", ROOT / "bench" / "configs" / name, "dir"))
+
+
+def test_preflight_holds_the_budget_to_the_models_exact_shapes():
+    """A budget at the large-linear limit passes the recipe check; the per-linear weight_shape tensors put the
+    real shapes above it."""
+    r = Recipe(**BASE, mixed={**MIXED, "budget_bits_per_weight": 4.3125})
+    layers = [LayerCheck("q", 576, 192, "", "")]
+    (msg,) = mixed_problems(r, LLAMA, layers)
+    assert "is below the 4.3137 bits per weight this model's linears store at base_group 64" in msg
+    assert mixed_problems(r.model_copy(update={"mixed": r.mixed.model_copy(
+        update={"budget_bits_per_weight": 4.314})}), LLAMA, layers) == []
+    moe = arch_for(_config("qwen3-30b-a3b"))
+    assert "not supported for mixtures of experts" in mixed_problems(r, moe, layers)[0]
+
+
+def test_every_size_of_a_mix_is_checked_against_serve_targets(tmp_path):
+    """7B on 4 Hoppers serves g64 and g32 on Marlin-class kernels; the 72B trap (29568 / 4 not a multiple of 128)
+    refuses a g128 base, naming the base size's fix."""
+    target = {"targets": [{"compute_capability": 9.0, "tensor_parallel_size": 4}]}
+    ok = Recipe(**{**BASE, "model": "qwen"}, mixed=MIXED, serve=target)
+    cfg = _config("qwen2.5-7b")
+    targets.check_targets_by_rules(ok, cfg, arch_for(cfg), is_skipped)
+    trap = Recipe(**{**BASE, "q_group_size": 128}, mixed={**MIXED, "base_group": 128, "finer": [64, 32],
+                                                          "budget_bits_per_weight": 4.3}, serve=target)
+    cfg72 = _config("qwen2.5-72b")
+    with pytest.raises(deploy.DeployError) as e:
+        targets.check_targets_by_rules(trap, cfg72, arch_for(cfg72), is_skipped)
+    msg = str(e.value)
+    assert "\n" not in msg and "mixed group size 128: compute capability 9.0 at tensor_parallel_size 4" in msg
+    assert "fix: set q_group_size and mixed.base_group: 32" in msg and "format:" not in msg
+
+
+def test_the_deployability_table_of_a_mix_is_its_worst_size_per_cell():
+    cfg = _config("qwen2.5-7b")
+    r = Recipe(**BASE, mixed=MIXED)
+    tables = [deploy.recipe_table(sized, cfg, arch_for(cfg), is_skipped, use_vllm=False)[0]
+              for sized, _ in targets.per_size(r)]
+    both = deploy.combine(tables)
+    cell = both.cell("9.0", 1, "float16")
+    assert cell.verdict == deploy.MARLIN and "Machete" in cell.slowest and "Marlin" in cell.slowest
+    assert cell.kernels["mlp.gate_up_proj"] == "g64: Machete, g32: Marlin"
+    assert "groups 64, 32 (mixed)" in deploy.render(both)
+    refused = deploy.combine([tables[0], deploy.Table(**{**tables[1].to_dict(), "cells": [
+        deploy.Cell(c.capability, c.tp, c.dtype, deploy.REFUSED, {}, "refused (x)", "why") for c in tables[1].cells]})])
+    assert refused.cell("9.0", 1, "float16").verdict == deploy.REFUSED
+    assert refused.cell("9.0", 1, "float16").reason == "why"
