@@ -198,6 +198,13 @@ def test_a_bad_mixed_block_is_refused_naming_what_to_change(tmp_path, keys, says
     assert says in _err(tmp_path, **keys)
 
 
+def test_the_shipped_mixed_recipe_budgets_g64_plus_a_tenth():
+    r = load_recipe("smollm2-mixed-g64-g32")
+    ct = formats.COMPRESSED_TENSORS
+    assert r.mixed.budget_bits_per_weight == pytest.approx(ct.bits_per_weight(64, 4, False) + 0.10)
+    assert "mixed" in r.to_dict() and "mixed" not in load_recipe("smollm2-awq-g64").to_dict()
+
+
 # ---- pre-flight: shapes and serve.targets ----
 
 def _config(name: str):
