@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from eval.agreement import hf_logprobs, prompt_logprob_delta
 from eval.artifact import load_dequantized
 from eval.vllm_run import run_vllm
-from pipeline.compare import sizes
+from pipeline.compare import row, sizes
 from quantize import runner
 from tests.conftest import tiny_recipe
 
@@ -38,6 +38,9 @@ def test_mixed_artifact_holds_both_sizes_within_the_budget(mixed_artifact):
         sizes(mixed_artifact, 4)["bits_per_weight"], abs=1e-6)  # the manifest's figure is what the files store
     assert m["bits_per_weight_at"]["64"] < m["bits_per_weight"]
     assert m["error_sum"]["32"] <= m["error_sum"]["chosen"] < m["error_sum"]["64"]
+    assert row(mixed_artifact)["group_size"] == "64+32"  # the comparison names both sizes
+    card = (mixed_artifact / "README.md").read_text()
+    assert "## Mixed group sizes" in card and f"{m['bits_per_weight']:.4f} reached" in card
     tensors = load_file(str(mixed_artifact / "model.safetensors"))
     for layer, per in m["groups"].items():
         assert per["self_attn.q_proj"] == per["self_attn.k_proj"] == per["self_attn.v_proj"], per
