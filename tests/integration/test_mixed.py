@@ -66,6 +66,22 @@ def test_budget_at_the_base_size_writes_the_base_recipes_weights(tiny_llama, tmp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_gptq_mixes_sizes_on_the_base_sizes_chain(tiny_llama, tmp_path):
+    """GPTQ carries its own quantized chain: the finer size runs on copies of each layer fed the base size's chain;
+    both sizes are written, each linear's scales shaped for its size, within the budget."""
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="tiny-gptq-mixed", method="gptq", format="compressed-tensors",
+                         mixed=dict(base_group=64, budget_bits_per_weight=4.5, finer=[32]))
+    out = runner.run(recipe, out_root=tmp_path / "a")
+    m = json.loads((out / "manifest.json").read_text())["mixed"]
+    assert m["linears"]["32"] > 0 and m["linears"]["64"] > 0 and m["bits_per_weight"] <= 4.5
+    assert m["error_sum"]["chosen"] < m["error_sum"]["64"]
+    tensors = load_file(str(out / "model.safetensors"))
+    for layer, per in m["groups"].items():
+        for linear, g in per.items():
+            in_f = tensors[f"model.layers.{layer}.{linear}.weight_shape"][1]
+            assert tensors[f"model.layers.{layer}.{linear}.weight_scale"].shape[1] == in_f // g
+
+
 @pytest.mark.vllm
 def test_vllm_serves_the_mixed_artifact_as_we_decode_it(mixed_artifact):
     g = torch.Generator().manual_seed(1)
