@@ -244,7 +244,7 @@ def deploy_table(config, arch: Arch, recipe: Recipe, is_skipped) -> dict:
     tables = []
     for sized, role in targets.per_size(recipe):
         table, modules = deploy.recipe_table(sized, config, arch, is_skipped)
-        problem = targets.target_problem(table, sized, modules, role)
+        problem = targets.target_problem(table, sized, modules, role, recipe.mixed.finer if recipe.mixed else ())
         if problem:
             raise PreflightError(problem)
         tables.append(table)

@@ -14,9 +14,11 @@ def _target_cells(recipe) -> list[tuple[str, int, str]]:
     return [(t.capability, t.tensor_parallel_size, recipe.dtype) for t in recipe.serve.targets]
 
 
-def target_problem(table: Table, recipe, modules: list[dict], role: str = "") -> str | None:
+def target_problem(table: Table, recipe, modules: list[dict], role: str = "",
+                   finer: tuple[int, ...] = ()) -> str | None:
     """The first serve.target the table does not serve on a Marlin-class kernel -> one line naming the fix.
-    role: "base" or "finer" where the table is of one of a `mixed:` recipe's sizes (recipe: its `per_size` copy)."""
+    role: "base" or "finer" where the table is of one of a `mixed:` recipe's sizes (recipe: its `per_size` copy;
+    finer: the mix's finer sizes)."""
     for cap, tp, dtype in _target_cells(recipe):
         c = table.cell(cap, tp, dtype)
         if c.verdict == MARLIN:
@@ -24,13 +26,32 @@ def target_problem(table: Table, recipe, modules: list[dict], role: str = "") ->
         what = (f"refuses it ({c.reason})" if c.verdict == REFUSED else
                 f"runs {c.slowest}, slower than its Marlin-class kernels")
         g, found = recipe.q_group_size, fixes(recipe, modules, cap, tp, dtype)
-        if role == "base":  # the other formats and symmetry do not hold several sizes or are the recipe's choice
-            found = " or ".join(x.replace("q_group_size", "q_group_size and mixed.base_group")
-                                for x in found.split(" or ") if x.startswith(("q_group_size", "tensor_parallel")))
         fix = f"remove {g} from mixed.finer" if role == "finer" else f"set {found or 'a different target'}"
+        if role == "base":
+            fix = _base_fix(found, finer)
         return (f"serve.targets: {f'mixed group size {g}: ' if role else ''}compute capability {cap} at "
                 f"tensor_parallel_size {tp} in {dtype}: vLLM {what} (from {table.source.split(' (')[0]}); fix: {fix}")
     return None
+
+
+def _base_fix(found: str, finer: tuple[int, ...]) -> str:
+    """The fixes of a mix's base size: another base size that leaves a finer one below it, or a tensor-parallel
+    size (the other formats hold one size; symmetry is the recipe's choice)."""
+    kept, alone = [], []
+    for x in found.split(" or ") if found else ():
+        if x.startswith("tensor_parallel"):
+            kept.append(x)
+        elif x.startswith("q_group_size"):
+            g = int(x.split(": ")[1])
+            below = [f for f in finer if f < g]
+            if not below:  # nothing finer than g: a mix cannot start there (the recipe check would refuse it)
+                alone.append(x)
+            else:
+                kept.append(f"q_group_size and mixed.base_group: {g}"
+                            + ("" if len(below) == len(finer) else f" with mixed.finer {below}"))
+    fix = [f"set {' or '.join(kept)}"] if kept else []
+    fix += [f"remove mixed: and set {alone[0]}"] if alone else []
+    return " or ".join(fix) or "set a different target"
 
 
 def per_size(recipe) -> list[tuple[object, str]]:
@@ -82,7 +103,7 @@ def _rules_problem(recipe, modules: list[dict]) -> str | None:
     caps = sorted({c for c, _, _ in _target_cells(recipe)}, key=float)
     for sized, role in per_size(recipe):
         table = build(query(sized, modules, caps, TP_SIZES, [recipe.dtype], for_vllm=False), use_vllm=False)
-        problem = target_problem(table, sized, modules, role)
+        problem = target_problem(table, sized, modules, role, recipe.mixed.finer if recipe.mixed else ())
         if problem:
             return problem
     return None

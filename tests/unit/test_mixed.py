@@ -238,7 +238,12 @@ def test_every_size_of_a_mix_is_checked_against_serve_targets(tmp_path):
         targets.check_targets_by_rules(trap, cfg72, arch_for(cfg72), is_skipped)
     msg = str(e.value)
     assert "\n" not in msg and "mixed group size 128: compute capability 9.0 at tensor_parallel_size 4" in msg
-    assert "fix: set q_group_size and mixed.base_group: 32" in msg and "format:" not in msg
+    # 32 is the only size these shapes divide into and nothing is finer: the fix is no mix, not a base of 32
+    assert msg.endswith("fix: set tensor_parallel_size: 1 in this target or remove mixed: and set q_group_size: 32")
+    assert targets._base_fix("q_group_size: 64 or q_group_size: 32 or tensor_parallel_size: 2 in this target",
+                             (64, 32)) == ("set q_group_size and mixed.base_group: 64 with mixed.finer [32] or "
+                                           "tensor_parallel_size: 2 in this target or remove mixed: and set "
+                                           "q_group_size: 32")
 
 
 def test_the_deployability_table_of_a_mix_is_its_worst_size_per_cell():
