@@ -18,6 +18,7 @@ import torch
 
 from .methods import launches, warmup
 from .methods.job import DTYPES, Job, feature_names
+from .mixed import MixedJob
 from .export import write as export
 from .export.artifact import RunRecord, write_artifact
 from .source import load as source
@@ -205,7 +206,8 @@ def _run_many(recipes: list[Recipe], outs: list[Path], force: bool, runlog: RunL
         model = load() if dist is None else dist.agree(load)
         split_experts(model, pf.arch)  # one linear per expert: what vLLM reads (no-op for dense models)
         tied = tied_embeddings(model)
-    jobs = [Job(r, pf.arch, set(p.convert), dtype, runlog=runlog, dist=dist) for r, p in zip(recipes, pf.plans)]
+    jobs = [(MixedJob.of if r.mixed else Job)(r, pf.arch, set(p.convert), dtype, runlog=runlog, dist=dist)
+            for r, p in zip(recipes, pf.plans)]
     # once per run: git status is a subprocess
     provenance = {"versions": _versions(), "git": git_commit(), "cuda_allocator": pf.cuda_allocator}
     ckpt = _checkpointer(recipes, outs[0], pf, provenance)

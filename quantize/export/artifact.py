@@ -52,6 +52,7 @@ def write_artifact(job: Job, the_plan, weights: WeightStream, model, stages: dic
     replaced, where there was one)."""
     recipe = job.recipe
     t0 = time.perf_counter()
+    job.settle()  # before anything reads its results (a mixed job's are chosen here)
     errors = {str(k): v for k, v in job.errors.items()}
     # The error plot needs only the errors: drawn in a thread from here, it is ready by the time the card is
     # written (H200 host: importing matplotlib took 1.2 s there, warm, and its first use on a fresh machine builds
@@ -74,7 +75,7 @@ def _write(job: Job, the_plan, weights: WeightStream, model, stages: dict, run: 
     recipe, directory = job.recipe, weights.directory
     parts: dict[str, float] = {}
     weights.finish()
-    qcfg = formats.get(recipe.out_format).quantization_config(recipe, list(the_plan.skipped))
+    qcfg = formats.get(recipe.out_format).quantization_config(recipe, list(the_plan.skipped), job.groups)
     parts["weights"] = time.perf_counter() - t0
 
     def fill(tmp: Path) -> Manifest:
@@ -106,6 +107,7 @@ def _write(job: Job, the_plan, weights: WeightStream, model, stages: dict, run: 
             "capacity": capacity_facts(tmp, model, serve),
             job.method.stats_key: {str(k): v for k, v in job.stats.items()},
             **({"output_error": errors} if errors else {}),
+            **({"mixed": job.mixed} if job.mixed else {}),
             "shared_pass": run.shared,
             "device": str(run.device), "compute_dtype": str(run.compute_dtype).removeprefix("torch."),
             "cuda_allocator": run.provenance["cuda_allocator"],

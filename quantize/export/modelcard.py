@@ -196,7 +196,7 @@ def render(manifest: Manifest | dict, report: Report | dict | None = None) -> st
                                          ("linears left 16-bit", ", ".join(_kept_16bit(m)) or "none"),
                                          ("tensor-parallel sizes", _tp_text(m)),
                                          ("versions where quantized", _versions_text(m)))],
-        "", *_experts(m), *_errors(m), "## Evaluation", "", *_evaluation(report), "",
+        "", *_mixed(m), *_experts(m), *_errors(m), "## Evaluation", "", *_evaluation(report), "",
         "## Integrity and reproduction", "",
         "`manifest.json` lists the sha256 of every file; `python -m pipeline eval --artifact <dir>` and the registry refuse "
         "the directory if any file differs. `recipe.yaml` is the resolved recipe; re-run it with "
@@ -242,6 +242,25 @@ def error_plot(artifact: str, errors: dict, name: str = ERROR_PLOT) -> bytes | N
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})  # no version stamp: same errors, same bytes
     return buf.getvalue()
+
+
+def _mixed(m: Manifest) -> list[str]:
+    """What a mixed group size bought (`quantize.mixed`); [] for one group size."""
+    x = m.mixed
+    if x is None:
+        return []
+    sizes = [x.base_group, *x.finer]
+    return ["## Mixed group sizes", "",
+            f"Every linear was quantized at group sizes {', '.join(map(str, sizes))}; starting from {x.base_group}, "
+            f"the modules (q/k/v and gate/up as one each) whose summed relative output error a finer size lowers most "
+            f"per extra stored bit took it, within {x.budget_bits_per_weight} bits per weight of the quantized "
+            f"linears: {x.bits_per_weight:.4f} reached. Each linear's size and its error at every size are in "
+            f"`manifest.json` under `mixed`.", "",
+            "| group size | linears written at it | bits per weight, every linear at it | summed output error, every "
+            "linear at it |", "|---:|---:|---:|---:|",
+            *[f"| {g} | {x.linears[str(g)]} | {x.bits_per_weight_at[str(g)]:.4f} | {x.error_sum[str(g)]:.4f} |"
+              for g in sizes],
+            f"| chosen | {sum(x.linears.values())} | {x.bits_per_weight:.4f} | {x.error_sum['chosen']:.4f} |", ""]
 
 
 def _errors(m: Manifest) -> list[str]:

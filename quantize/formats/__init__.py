@@ -71,6 +71,19 @@ def moe_marlin_misfit(hidden: int, inter_pp: int, group: int) -> str:
     return ""
 
 
+def words(n: int, bits: int) -> int:
+    """int32 words that hold n codes of `bits` bits packed end to end."""
+    return -(-n * bits // 32)
+
+
+def n_groups(in_f: int, group: int) -> int:
+    """Quantization groups along a linear's in_features (-1: one per output channel)."""
+    return 1 if group == -1 else -(-in_f // group)
+
+
+SCALE_BYTES = 2  # scales are stored in the recipe's 16-bit dtype (float16 or bfloat16)
+
+
 def _act_order(recipe) -> bool:
     """Columns were quantized in activation order (static: groups stay contiguous): the recipe's method says."""
     return bool(getattr(recipe, "static_act_order", False))  # a plain namespace (deploy.py) has none
@@ -92,6 +105,7 @@ class Format:
     reported_as: frozenset[str]  # quantization names vLLM may log while serving it (CPU and CUDA builds differ)
     pack_along_out: int = 1  # out_features must divide by this (AWQ GEMM packs 8 codes per int32 along out)
     index_bytes_per_input: int = 0  # bytes per input feature of an index tensor (GPTQ's g_idx, int32)
+    several_group_sizes: bool = False  # one artifact may hold linears of different group sizes (`mixed:`)
 
     def problem(self, recipe) -> str | None:
         """Why vLLM cannot serve `recipe`'s weights in this format, saying what to change; None when it can."""
@@ -112,9 +126,28 @@ class Format:
         """codes [out, in] uint8, scales/zeros [out, n_group] -> {tensor suffix: tensor} of one linear."""
         raise NotImplementedError
 
-    def quantization_config(self, recipe, unconverted: list[str]) -> dict:
-        """config.json's `quantization_config`; unconverted: full names of every decoder linear kept 16-bit."""
+    def quantization_config(self, recipe, unconverted: list[str], groups: dict[str, int] | None = None) -> dict:
+        """config.json's `quantization_config`; unconverted: full names of every decoder linear kept 16-bit;
+        groups: checkpoint name -> group size of each converted linear where they differ (`mixed:`), else None."""
         raise NotImplementedError
+
+    def linear_bytes(self, out_f: int, in_f: int, group: int, bits: int, symmetric: bool) -> int:
+        """Bytes this layout writes for one converted linear [out, in]: codes, scales, zero points and any
+        per-linear tensor, as `pack` makes them (tests/unit/test_mixed.py holds it to their sizes)."""
+        raise NotImplementedError
+
+    def group_bits(self, group: int, bits: int, symmetric: bool) -> float:
+        """Bits per weight the per-group tensors add to the codes' `bits` (scales, zero points): what
+        8 · linear_bytes / (out · in) tends to for a large linear, before any shape is known."""
+        raise NotImplementedError
+
+    def bits_per_weight(self, group: int, bits: int, symmetric: bool, shape: tuple[int, int] | None = None) -> float:
+        """Stored bits per weight of a converted linear: comparisons' "bits / weight" (every byte of the quantized
+        linears x 8 / their weights). shape (out, in): exactly as written; None: the large-linear limit."""
+        if shape is None:
+            return bits + self.group_bits(group, bits, symmetric)
+        out_f, in_f = shape
+        return 8 * self.linear_bytes(out_f, in_f, group, bits, symmetric) / (out_f * in_f)
 
     def read_config(self, qcfg: dict) -> int:
         """A quantization_config of this format (any tool's) -> its bit width; ValueError if we cannot decode it."""
@@ -177,7 +210,15 @@ class AwqGemm(Format):
 
         return awq_gemm.pack(codes, scales, zeros)
 
-    def quantization_config(self, recipe, unconverted):
+    def linear_bytes(self, out_f, in_f, group, bits, symmetric):
+        g, w = n_groups(in_f, group), words(out_f, bits)  # qzeros are written with or without zero points
+        return 4 * in_f * w + 4 * g * w + SCALE_BYTES * g * out_f  # qweight, qzeros, scales
+
+    def group_bits(self, group, bits, symmetric):
+        return (8 * SCALE_BYTES + bits) / group
+
+    def quantization_config(self, recipe, unconverted, groups=None):
+        _one_group_size(self, groups)
         own = list(recipe.modules_to_not_convert)
         extra = [n for n in unconverted if not any(m in n for m in own)]  # vLLM matches entries as substrings
         from . import awq_gemm
@@ -240,7 +281,15 @@ class Gptq(Format):
 
         return gptq.pack(codes, scales, zeros, bits)
 
-    def quantization_config(self, recipe, unconverted):
+    def linear_bytes(self, out_f, in_f, group, bits, symmetric):
+        g = n_groups(in_f, group)  # qweight, qzeros (always written), scales, g_idx
+        return 4 * words(in_f, bits) * out_f + 4 * g * words(out_f, bits) + SCALE_BYTES * g * out_f + 4 * in_f
+
+    def group_bits(self, group, bits, symmetric):
+        return (8 * SCALE_BYTES + bits) / (group if group != -1 else float("inf"))
+
+    def quantization_config(self, recipe, unconverted, groups=None):
+        _one_group_size(self, groups)
         # 16-bit linears need no key: vLLM takes a linear with no integer tensor in the checkpoint as unquantized
         from . import gptq
 
@@ -302,12 +351,26 @@ class CompressedTensors(Format):
 
         return compressed_tensors.pack(codes, scales, zeros, bits, symmetric)
 
-    def quantization_config(self, recipe, unconverted):
-        # vLLM expects packed tensors for every linear `ignore` does not name
+    def linear_bytes(self, out_f, in_f, group, bits, symmetric):
+        g = n_groups(in_f, group)  # weight_packed, weight_scale, weight_shape (int64 [2]), weight_zero_point
+        zeros = 0 if symmetric else 4 * words(out_f, bits) * g
+        return 4 * out_f * words(in_f, bits) + SCALE_BYTES * out_f * g + 16 + zeros
+
+    def group_bits(self, group, bits, symmetric):
+        return (8 * SCALE_BYTES + (0 if symmetric else bits)) / (group if group != -1 else float("inf"))
+
+    def quantization_config(self, recipe, unconverted, groups=None):
+        # vLLM expects packed tensors for every linear `ignore` does not name; with several group sizes, one
+        # config group per size whose targets name its linears (vLLM matches a target equal to the layer's name)
         from . import compressed_tensors
 
+        targets = None
+        if groups:
+            targets = {}
+            for name, g in sorted(groups.items()):
+                targets.setdefault(g, []).append(name)
         return compressed_tensors.quantization_config(recipe.w_bit, recipe.q_group_size, recipe.symmetric,
-                                                      _act_order(recipe), ["lm_head", *unconverted])
+                                                      _act_order(recipe), ["lm_head", *unconverted], targets)
 
     def read_config(self, qcfg):
         if qcfg.get("format") != "pack-quantized":
@@ -329,6 +392,11 @@ class CompressedTensors(Format):
         g_idx = compressed_tensors.group_index(tensors)
         return dequantize(codes, scales, zeros) if g_idx is None else dequantize_by_index(codes, scales, zeros, g_idx)
 
+
+
+def _one_group_size(fmt: Format, groups: dict[str, int] | None) -> None:
+    if groups and len(set(groups.values())) > 1:  # the recipe check refuses this first (`mixed:`)
+        raise ValueError(f"format {fmt.name} holds one group size; several are written as compressed-tensors")
 
 
 AWQ = AwqGemm(
@@ -354,7 +422,7 @@ COMPRESSED_TENSORS = CompressedTensors(
     bits=(4, 8), group_sizes=(-1, 32, 64, 128), symmetric_only=False, packed_tensor="weight_packed",
     tensors=("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
     served_as=("compressed-tensors", "compressed-tensors"),
-    reported_as=frozenset({"compressed-tensors", "compressed_tensors"}),
+    reported_as=frozenset({"compressed-tensors", "compressed_tensors"}), several_group_sizes=True,
 )
 
 REGISTRY: dict[str, Format] = {f.name: f for f in (AWQ, GPTQ, COMPRESSED_TENSORS)}

@@ -62,19 +62,26 @@ def group_index(tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
     return g_idx
 
 
-def quantization_config(bits: int, group: int, symmetric: bool, act_order: bool, ignore: list[str]) -> dict:
-    """config.json `quantization_config`, built with compressed_tensors' own schema classes."""
+def quantization_config(bits: int, group: int, symmetric: bool, act_order: bool, ignore: list[str],
+                        targets: dict[int, list[str]] | None = None) -> dict:
+    """config.json `quantization_config`, built with compressed_tensors' own schema classes. targets: group size
+    -> the checkpoint names of the linears quantized at it (several sizes: one config group each), else one group
+    for every Linear at `group`."""
     # imported here: compressed_tensors takes seconds to import (it pulls in transformers' loaders), and runs
     # writing the AWQ or GPTQ format never need it
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-    weights = QuantizationArgs(
-        num_bits=bits, type="int", symmetric=symmetric, dynamic=False,
-        strategy="channel" if group == -1 else "group", group_size=None if group == -1 else group,
-        actorder="static" if act_order else None, observer="minmax",
-    )
+    def weights(g: int) -> QuantizationArgs:
+        return QuantizationArgs(
+            num_bits=bits, type="int", symmetric=symmetric, dynamic=False,
+            strategy="channel" if g == -1 else "group", group_size=None if g == -1 else g,
+            actorder="static" if act_order else None, observer="minmax",
+        )
+
+    sizes = targets or {group: ["Linear"]}
     cfg = QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
+        config_groups={f"group_{i}": QuantizationScheme(targets=list(names), weights=weights(g))
+                       for i, (g, names) in enumerate(sorted(sizes.items(), reverse=True))},
         quant_method="compressed-tensors", format="pack-quantized", quantization_status="compressed",
         ignore=list(ignore),
     )

@@ -68,6 +68,7 @@ class Awq(Method):
     options = AwqOptions
     default_format = "awq"
     colour = "tab:blue"
+    measures_output_error = True
 
     def propagation(self, recipe) -> str:
         return recipe.awq.propagate
@@ -78,6 +79,12 @@ class Awq(Method):
     def group_sizes(self, recipe) -> dict[str, int]:
         g = recipe.awq.search_group_size
         return {} if g is None or g == recipe.q_group_size else {"awq.search_group_size": g}
+
+    def at_group_size(self, recipe, group: int):
+        # the scale search at the base size's search group for every size: the scales folded into the norms and
+        # the previous linears are then one set, and the sizes differ only in clip and rounding
+        awq = recipe.awq.model_copy(update={"search_group_size": recipe.awq.search_group(recipe.q_group_size)})
+        return super().at_group_size(recipe, group).model_copy(update={"awq": awq})
 
     def problem(self, recipe) -> str | None:
         if recipe.q_group_size == -1:  # the scale, clip and refit searches all work on groups of a fixed size

@@ -22,6 +22,8 @@ class Method:
     calibrates: ClassVar[bool] = True  # needs calibration text and layer inputs
     default_format: ClassVar[str] = "awq"  # the format `format: auto` writes
     colour: ClassVar[str] = "tab:gray"  # its points in comparison plots
+    # its layer jobs report each converted linear's relative output error under ERRORS (what `mixed:` ranks by)
+    measures_output_error: ClassVar[bool] = False
 
     def propagation(self, recipe) -> str:
         """What this recipe's layer inputs are: "fp" (the FP model's, shared by every such job in a comparison),
@@ -46,6 +48,12 @@ class Method:
         """Group sizes besides q_group_size that this recipe quantizes with somewhere (recipe key -> size): each
         must divide the in_features of every converted linear, as q_group_size must (pre-flight checks both)."""
         return {}
+
+    def at_group_size(self, recipe, group: int):
+        """This recipe quantizing at another group size, for `mixed:` (one candidate per size in one pass): every
+        tensor outside the converted linears must come out the same at every size, so that a linear quantized at
+        one size can stand in for the same linear at another. Here only q_group_size changes."""
+        return recipe.model_copy(update={"q_group_size": group, "mixed": None})
 
     def problem(self, recipe) -> str | None:
         """Why this recipe's settings do not work with this method, saying what to change; None when they do."""

@@ -53,6 +53,7 @@ class Gptq(Method):
     options = GptqOptions
     default_format = "gptq"
     colour = "tab:orange"
+    measures_output_error = True
 
     def propagation(self, recipe) -> str:
         return "quantized"

@@ -46,6 +46,10 @@ class Job:
     runlog: RunLog | None = None  # receives each layer's method stage seconds
     dist: Dist | None = None  # several ranks share the work (`distributed`)
     weights: object | None = None  # an `export.stream.WeightStream`: told when each layer is final
+    # where one artifact mixes group sizes (`quantize.mixed`): each converted linear's checkpoint name -> its
+    # group size, and the manifest's `mixed` record
+    groups: dict[str, int] | None = None
+    mixed: dict | None = None
 
     @property
     def method(self) -> methods.Method:
@@ -100,6 +104,9 @@ class Job:
                 self.overrides[full] = t.detach().to("cpu", copy=True)
         if self.weights is not None:  # the layer's results and tensors are final now
             self.weights.layer(index)
+
+    def settle(self) -> None:
+        """The pass is over: what the artifact holds is final here (a mixed job picks its sizes now)."""
 
     def _in(self, name: str, lo: int, hi: int) -> bool:
         return any(name.startswith(layer_prefix(self.arch, i) + ".") for i in range(lo, hi))

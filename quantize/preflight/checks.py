@@ -136,7 +136,8 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.trust_remote_code)
     split_experts(meta, arch)
     fmt, g = formats.get(recipe.out_format), recipe.q_group_size
-    others = methods.get(recipe.method).group_sizes(recipe)
+    others = {**methods.get(recipe.method).group_sizes(recipe),
+              **{f"mixed.finer {x}": x for x in (recipe.mixed.finer if recipe.mixed else ())}}
     out, problems, shapes = Plan(), [], []
     linears, fused_sets, row_parallel = _layer_linears(config, arch)
     moe_routed = {n for n in linears if arch.experts is not None and n.startswith(f"{arch.experts.module}.")}
@@ -189,7 +190,7 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
         for n in arch.experts.unconverted() if arch.experts else ():
             out.skipped[checkpoint_name(arch, f"{prefix}.{n}")] = ROUTER_KEPT
     tp_sizes = _tp_sizes(shapes, g)
-    problems += serve_problems(config, recipe, tp_sizes)
+    problems += serve_problems(config, recipe, tp_sizes) + mixed_problems(recipe, arch, out.layers)
     if recipe.dtype not in arch.serve_dtypes:
         problems.append(f"dtype {recipe.dtype}: vLLM serves {', '.join(config.architectures or [])} only in "
                         f"{' or '.join(arch.serve_dtypes)}; set dtype: {arch.serve_dtypes[0]}")
@@ -203,6 +204,25 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
     out.tied_embeddings = tied_embeddings(meta)
     out.tensor_bytes = estimate_tensor_bytes(meta, set(out.convert), recipe, out.tied_embeddings)
     return out
+
+
+def mixed_problems(recipe: Recipe, arch: Arch, layers: list[LayerCheck]) -> list[str]:
+    """What a `mixed:` block cannot do on this model: its budget below what the base size stores on these shapes
+    exactly (the recipe check knows no shapes), or a mixture of experts (vLLM's fused MoE layer reads one scheme)."""
+    m = recipe.mixed
+    if m is None:
+        return []
+    if arch.experts is not None:
+        return ["mixed group sizes are not supported for mixtures of experts (vLLM builds each layer's experts as one "
+                "fused module with one scheme); remove `mixed:`"]
+    fmt, weights = formats.get(recipe.out_format), sum(lc.in_features * lc.out_features for lc in layers)
+    stored = sum(fmt.linear_bytes(lc.out_features, lc.in_features, m.base_group, recipe.w_bit, recipe.symmetric)
+                 for lc in layers)
+    base = 8 * stored / weights if weights else 0.0
+    if m.budget_bits_per_weight < base:
+        return [f"mixed.budget_bits_per_weight {m.budget_bits_per_weight} is below the {base:.4f} bits per weight "
+                f"this model's linears store at base_group {m.base_group}; set at least {base:.4f}"]
+    return []
 
 
 NO_TARGETS = ("no serve.targets: no GPU generation or tensor-parallel size is checked (the table above says what "
@@ -220,12 +240,16 @@ def check_targets(recipe: Recipe, config, arch: Arch, is_skipped) -> None:
 
 def deploy_table(config, arch: Arch, recipe: Recipe, is_skipped) -> dict:
     """The deployability table (vLLM's own kernel choice where vLLM is installed); PreflightError when a
-    serve.target is not served on a Marlin-class kernel."""
-    table, modules = deploy.recipe_table(recipe, config, arch, is_skipped)
-    problem = targets.target_problem(table, recipe, modules)
-    if problem:
-        raise PreflightError(problem)
-    return table.to_dict()
+    serve.target is not served on a Marlin-class kernel. A `mixed:` recipe's covers every size it may write: a
+    cell is as good as its worst size's."""
+    tables = []
+    for sized, role in targets.per_size(recipe):
+        table, modules = deploy.recipe_table(sized, config, arch, is_skipped)
+        problem = targets.target_problem(table, sized, modules, role, recipe.mixed.finer if recipe.mixed else ())
+        if problem:
+            raise PreflightError(problem)
+        tables.append(table)
+    return (tables[0] if len(tables) == 1 else deploy.combine(tables)).to_dict()
 
 
 _LAYER_INDEX = re.compile(r"\.(\d+)(?=[.:])")
@@ -307,7 +331,7 @@ def estimate_tensor_bytes(meta, convert: set[str], recipe: Recipe, tied: bool) -
     lm_head is not written.
     """
     item = torch.empty((), dtype=getattr(torch, recipe.dtype)).element_size()
-    bits, g = recipe.w_bit, recipe.q_group_size
+    bits, g = recipe.w_bit, min(recipe.mixed.sizes) if recipe.mixed else recipe.q_group_size  # mixed: at most
     index_bytes = formats.get(recipe.out_format).index_bytes_per_input
     total = 0
     for name, t in meta.state_dict().items():

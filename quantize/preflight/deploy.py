@@ -160,6 +160,7 @@ class Table:
     modules: list[str]
     cells: list[Cell]
     optional_kernels: dict[str, bool] = field(default_factory=dict)
+    groups: list[int] = field(default_factory=list)  # a mixed artifact's group sizes (`combine`); [] = `group` only
 
     def cell(self, capability: str, tp: int, dtype: str) -> Cell:
         return next(c for c in self.cells if (c.capability, c.tp, c.dtype) == (capability, tp, dtype))
@@ -211,6 +212,31 @@ def build(q: dict, use_vllm: bool | None = None) -> Table:
                  [cell_of(c, order) for c in answer["cells"]], answer.get("optional_kernels", {}))
 
 
+_RANK = {MARLIN: 0, FALLBACK: 1, REFUSED: 2}
+
+
+def combine(tables: list[Table]) -> Table:
+    """The tables of one artifact's group sizes (a `mixed:` recipe's, base size first) -> one table: each module's
+    kernel at each size, each cell as good as its worst size's (a module may get any size)."""
+    first = tables[0]
+    cells = []
+    for per_size in zip(*(t.cells for t in tables)):
+        worst = max(zip(tables, per_size), key=lambda tc: _RANK[tc[1].verdict])
+        c = Cell(per_size[0].capability, per_size[0].tp, per_size[0].dtype, worst[1].verdict)
+        for m in first.modules:
+            seen = [x.kernels.get(m, "") for x in per_size]
+            c.kernels[m] = seen[0] if len(set(seen)) == 1 else \
+                ", ".join(f"g{t.group}: {k}" for t, k in zip(tables, seen))
+        if c.verdict == MARLIN:
+            names = [k for x in per_size for k in x.slowest.split("/")]
+            c.slowest = "/".join(dict.fromkeys(names))
+        else:
+            c.slowest, c.reason = f"{worst[1].slowest} at g{worst[0].group}", worst[1].reason
+        cells.append(c)
+    return Table(first.source, first.vllm_version, first.format, first.group, first.symmetric, first.modules, cells,
+                 first.optional_kernels, [t.group for t in tables])
+
+
 def render(t: Table) -> str:
     """Rows: GPU generation (compute capability); columns: tensor-parallel size. A cell names the kernel every
     module runs (Marlin-class), the slowest fallback and its module, or REFUSED; [n] points to vLLM's reason.
@@ -218,7 +244,8 @@ def render(t: Table) -> str:
     notes: dict[str, int] = {}
     width = 28
     head = f"{'GPU (capability)':24s}" + "".join(f" | {'TP ' + str(tp):{width}s}" for tp in sorted({c.tp for c in t.cells}))
-    lines = [f"deployability from {t.source}: format {t.format}, group {t.group}, "
+    group = f"groups {', '.join(map(str, t.groups))} (mixed)" if t.groups else f"group {t.group}"
+    lines = [f"deployability from {t.source}: format {t.format}, {group}, "
              f"{'symmetric' if t.symmetric else 'with zero points'}", head, "-" * len(head)]
     for cap in sorted({c.capability for c in t.cells}, key=float):
         row = f"{GPU_NAMES.get(cap, '') + ' (' + cap + ')':24s}"

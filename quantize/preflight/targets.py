@@ -14,18 +14,53 @@ def _target_cells(recipe) -> list[tuple[str, int, str]]:
     return [(t.capability, t.tensor_parallel_size, recipe.dtype) for t in recipe.serve.targets]
 
 
-def target_problem(table: Table, recipe, modules: list[dict]) -> str | None:
-    """The first serve.target the table does not serve on a Marlin-class kernel -> one line naming the fix."""
+def target_problem(table: Table, recipe, modules: list[dict], role: str = "",
+                   finer: tuple[int, ...] = ()) -> str | None:
+    """The first serve.target the table does not serve on a Marlin-class kernel -> one line naming the fix.
+    role: "base" or "finer" where the table is of one of a `mixed:` recipe's sizes (recipe: its `per_size` copy;
+    finer: the mix's finer sizes)."""
     for cap, tp, dtype in _target_cells(recipe):
         c = table.cell(cap, tp, dtype)
         if c.verdict == MARLIN:
             continue
         what = (f"refuses it ({c.reason})" if c.verdict == REFUSED else
                 f"runs {c.slowest}, slower than its Marlin-class kernels")
-        fix = fixes(recipe, modules, cap, tp, dtype)
-        return (f"serve.targets: compute capability {cap} at tensor_parallel_size {tp} in {dtype}: vLLM {what} "
-                f"(from {table.source.split(' (')[0]}); fix: set {fix or 'a different target'}")
+        g, found = recipe.q_group_size, fixes(recipe, modules, cap, tp, dtype)
+        fix = f"remove {g} from mixed.finer" if role == "finer" else f"set {found or 'a different target'}"
+        if role == "base":
+            fix = _base_fix(found, finer)
+        return (f"serve.targets: {f'mixed group size {g}: ' if role else ''}compute capability {cap} at "
+                f"tensor_parallel_size {tp} in {dtype}: vLLM {what} (from {table.source.split(' (')[0]}); fix: {fix}")
     return None
+
+
+def _base_fix(found: str, finer: tuple[int, ...]) -> str:
+    """The fixes of a mix's base size: another base size that leaves a finer one below it, or a tensor-parallel
+    size (the other formats hold one size; symmetry is the recipe's choice)."""
+    kept, alone = [], []
+    for x in found.split(" or ") if found else ():
+        if x.startswith("tensor_parallel"):
+            kept.append(x)
+        elif x.startswith("q_group_size"):
+            g = int(x.split(": ")[1])
+            below = [f for f in finer if f < g]
+            if not below:  # nothing finer than g: a mix cannot start there (the recipe check would refuse it)
+                alone.append(x)
+            else:
+                kept.append(f"q_group_size and mixed.base_group: {g}"
+                            + ("" if len(below) == len(finer) else f" with mixed.finer {below}"))
+    fix = [f"set {' or '.join(kept)}"] if kept else []
+    fix += [f"remove mixed: and set {alone[0]}"] if alone else []
+    return " or ".join(fix) or "set a different target"
+
+
+def per_size(recipe) -> list[tuple[object, str]]:
+    """The recipe as each group size it writes, for the deployability table: [(recipe at that size, role)]: itself
+    (role ""), or for a `mixed:` recipe the base size ("base") and each finer size it may give a linear ("finer")."""
+    if recipe.mixed is None:
+        return [(recipe, "")]
+    return [(recipe.model_copy(update={"q_group_size": g, "mixed": None}),
+             "base" if g == recipe.mixed.base_group else "finer") for g in recipe.mixed.sizes]
 
 
 def _serves(fmt: str, group: int, symmetric: bool, bits: int, modules, cap: str, tp: int, dtype: str) -> bool:
@@ -66,8 +101,12 @@ def check_targets_by_rules(recipe, config, arch, is_skipped) -> None:
 
 def _rules_problem(recipe, modules: list[dict]) -> str | None:
     caps = sorted({c for c, _, _ in _target_cells(recipe)}, key=float)
-    table = build(query(recipe, modules, caps, TP_SIZES, [recipe.dtype], for_vllm=False), use_vllm=False)
-    return target_problem(table, recipe, modules)
+    for sized, role in per_size(recipe):
+        table = build(query(sized, modules, caps, TP_SIZES, [recipe.dtype], for_vllm=False), use_vllm=False)
+        problem = target_problem(table, sized, modules, role, recipe.mixed.finer if recipe.mixed else ())
+        if problem:
+            return problem
+    return None
 
 
 def refuse_targets_early(recipe, out: Path, force: bool) -> None:

@@ -45,6 +45,30 @@ class MoeOptions(Strict):
     min_expert_tokens: int = Field(MIN_EXPERT_TOKENS, ge=0)
 
 
+class MixedOptions(Strict):
+    """A budgeted mixed group size (docs/METHODS.md, "Mixed group sizes under a budget"): every converted linear is
+    quantized at base_group and at each finer size in one pass; then, from every linear at base_group, the
+    linears whose relative output error a finer size lowers most per extra stored bit move to it, while the
+    quantized linears' bits per weight (what comparisons call "bits / weight") stay within the budget. Linears
+    vLLM fuses (q/k/v, gate/up) move together. Written as compressed-tensors, one config group per size."""
+
+    base_group: Literal[32, 64, 128]  # must equal q_group_size
+    budget_bits_per_weight: float = Field(gt=0)
+    finer: tuple[Literal[32, 64], ...] = Field(min_length=1)  # each below base_group
+
+    @field_validator("finer")
+    @classmethod
+    def _distinct(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"mixed.finer {list(v)} lists a size twice")
+        return tuple(sorted(v, reverse=True))
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Every group size a linear may get, base first, then finer ones coarsest first."""
+        return (self.base_group, *self.finer)
+
+
 class AdvancedAwq(Strict):
     """AWQ search-speed experiments."""
 

@@ -10,7 +10,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from .. import formats, methods
 from ..methods.awq import AwqOptions
 from ..methods.gptq import GptqOptions
-from .options import GROUP_SIZES, Advanced, Calibration, EvalOptions, MoeOptions, ServeOptions, Strict
+from .options import GROUP_SIZES, Advanced, Calibration, EvalOptions, MixedOptions, MoeOptions, ServeOptions, Strict
 
 
 class Recipe(Strict):
@@ -47,6 +47,7 @@ class Recipe(Strict):
     trust_remote_code: bool = False
     advanced: Advanced = Advanced()
     moe: MoeOptions | None = None  # mixture-of-experts settings; None = the defaults (`MoeOptions`)
+    mixed: MixedOptions | None = None  # several group sizes under a bits-per-weight budget; None = q_group_size only
 
     @model_validator(mode="before")
     @classmethod
@@ -118,10 +119,40 @@ class Recipe(Strict):
             except ValidationError as e:
                 raise ValueError(f"`{name}`: " + "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
                                                         for x in e.errors())) from None
-        problem = methods.get(self.method).problem(self)
+        problem = methods.get(self.method).problem(self) or self._mixed_problem()
         if problem:
             raise ValueError(problem)
         return self
+
+    def _mixed_problem(self) -> str | None:
+        """What a `mixed:` block asks that cannot be written or chosen, saying what to change; None when fine."""
+        m = self.mixed
+        if m is None:
+            return None
+        if m.base_group != self.q_group_size:
+            return (f"mixed.base_group {m.base_group} differs from q_group_size {self.q_group_size}: every linear starts "
+                    f"at the base size; set q_group_size: {m.base_group}")
+        coarse = [g for g in m.finer if g >= m.base_group]
+        if coarse:
+            return (f"mixed.finer {list(m.finer)}: {coarse[0]} is not finer than base_group {m.base_group}; list "
+                    f"sizes below it (32{' or 64' if m.base_group == 128 else ''})")
+        fmt = formats.get(self.out_format)
+        if not fmt.several_group_sizes:
+            able = [n for n in formats.NAMES if formats.get(n).several_group_sizes]
+            return (f"mixed: format {fmt.name} holds one group size per artifact; set format: {' or '.join(able)} "
+                    f"(one config group per size)")
+        method = methods.get(self.method)
+        if not method.measures_output_error:
+            able = [n for n in methods.names() if methods.get(n).measures_output_error]
+            return (f"mixed: method {self.method} does not measure each linear's output error, which the choice of "
+                    f"sizes ranks by; use method {' or '.join(able)}")
+        base = fmt.bits_per_weight(m.base_group, self.w_bit, self.symmetric)
+        finest = fmt.bits_per_weight(min(m.finer), self.w_bit, self.symmetric)
+        if m.budget_bits_per_weight < base:
+            return (f"mixed.budget_bits_per_weight {m.budget_bits_per_weight} is below the {base:.4f} bits per weight "
+                    f"every linear at base_group {m.base_group} stores; set at least {base:.4f} (g{min(m.finer)} "
+                    f"everywhere stores {finest:.4f})")
+        return None
 
     def method_options(self, name: str) -> Any:
         """The options section of registered method `name` (its `options` model, defaults where not given)."""
@@ -130,10 +161,11 @@ class Recipe(Strict):
         return methods.get(name).options(**self.sections.get(name, {}))
 
     def to_dict(self) -> dict[str, Any]:
-        """The resolved recipe as plain data (what the artifact records); `moe` only when it was set."""
+        """The resolved recipe as plain data (what the artifact records); `moe` and `mixed` only when set."""
         d = self.model_dump(mode="json")
-        if d["moe"] is None:
-            del d["moe"]
+        for key in ("moe", "mixed"):
+            if d[key] is None:
+                del d[key]
         if self.sections:  # a registered method's own section, after the built-in ones
             keys = list(d)
             at = keys.index("gptq") + 1

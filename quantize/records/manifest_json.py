@@ -26,6 +26,7 @@ class RecipeSnapshot(Record):
     dtype: str
     modules_to_not_convert: list[str] = []
     serve: dict[str, Any] | None = None
+    mixed: dict[str, Any] | None = None  # the recipe's `mixed:` block where it has one
 
 
 class ModelRecord(Record):
@@ -68,6 +69,23 @@ class Capacity(Record):
     kv_bytes_per_sequence: dict[str, int]
     gpu_memory_utilization: Num
     sequences_that_fit: dict[str, dict[str, int]]
+
+
+class Mixed(Record):
+    """A mixed group size's choice (`quantize.mixed`): the budget, what it reached, each linear's size and its
+    relative output error at every size (layer -> linear -> ...), as the manifest's `mixed`."""
+
+    base_group: int
+    finer: list[int]
+    budget_bits_per_weight: Num
+    bits_per_weight: Num  # reached: bytes of the quantized linears x 8 / their weights, as compare measures it
+    bits_per_weight_at: dict[str, Num]  # group size -> the same with every linear at that size
+    weights: int  # quantized weights
+    linears: dict[str, int]  # group size -> linears written at it
+    error_sum: dict[str, Num]  # group size (and "chosen") -> the summed relative output error of every linear
+    objective: str
+    groups: dict[str, dict[str, int]]
+    errors: dict[str, dict[str, dict[str, Num]]]
 
 
 class Experts(Record):
@@ -129,6 +147,7 @@ class Manifest(Record):
     serve_endpoint: str | None = None
     capacity: Capacity | None = None
     output_error: dict[str, dict[str, Num]] | None = None  # layer -> linear -> relative output error
+    mixed: Mixed | None = None  # several group sizes under a budget: what was chosen (`quantize.mixed`)
     shared_pass: dict[str, Any] | None = None
     device: str | None = None
     compute_dtype: str | None = None

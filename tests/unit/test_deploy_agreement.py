@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from quantize import formats
-from quantize.preflight import deploy, modules, rules
+from quantize.preflight import deploy, modules, rules, targets
 from quantize.source.arch import arch_for
 from quantize.recipe import GROUP_SIZES, list_recipes, load_variants
 from quantize.source import ModelSource
@@ -141,8 +141,10 @@ def test_a_changed_hand_rule_is_caught(compared, monkeypatch):
 
 
 def test_every_shipped_recipe_is_covered():
-    """Every shipped recipe's format and group size is one of the compared (format, group, symmetry) cases."""
+    """Every shipped recipe's format and group size (each size of a `mixed:` recipe) is one of the compared
+    (format, group, symmetry) cases."""
     asked = {(q["format"], q["group"], q["symmetric"]) for q in agreement_queries()}
     for name in list_recipes():
         for r in load_variants(name):
-            assert (r.out_format, r.q_group_size, r.symmetric) in asked, name
+            for sized, _ in targets.per_size(r):
+                assert (sized.out_format, sized.q_group_size, sized.symmetric) in asked, name

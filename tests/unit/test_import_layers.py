@@ -15,7 +15,8 @@ PACKAGES = ("quantize", "eval", "pipeline")
 # ground: helpers with no knowledge of a stage; records: the artifact's schema; source: checkpoint -> model and
 # the architecture tables; capture: the layer-by-layer loop and its device; methods: the algorithms and their
 # per-layer jobs, plugged into capture; formats: the on-disk layouts of what methods produce (they decode with
-# the methods' primitives); recipe: the schema that names methods and formats; preflight and export: the run's
+# the methods' primitives); mixed: one job per group size and the choice between them (what each size stores is
+# its format's fact); recipe: the schema that names methods and formats; preflight and export: the run's
 # checks and its writer (export records pre-flight's deployability facts); then the runner, eval, the CLI.
 FLOORS = (
     ("quantize", "quantize.errors", "quantize.files", "quantize.paths", "quantize.progress", "quantize.runlog",
@@ -26,6 +27,7 @@ FLOORS = (
     ("quantize.capture",),
     ("quantize.methods",),
     ("quantize.formats",),
+    ("quantize.mixed",),
     ("quantize.recipe",),
     ("quantize.preflight",),
     ("quantize.export",),
