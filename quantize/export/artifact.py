@@ -19,7 +19,7 @@ from ..methods.job import Job
 from ..preflight import deploy
 from ..records import Manifest
 from ..source import load as source
-from . import capacity, cpu_serve, modelcard, serve_config, write as export
+from . import capacity, card_plots, cpu_serve, modelcard, serve_config, write as export
 from .stream import WeightStream
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def write_artifact(job: Job, the_plan, weights: WeightStream, model, stages: dic
     # a font cache). On a host of fewer cores it waits for the weights: beside the packing threads of a 2-core
     # host it slowed export (3.2 -> 4.3 s, default recipe).
     drawing = ThreadPoolExecutor(1, thread_name_prefix="plot") if errors and usable_cores() >= PLOT_THREAD_CORES else None
-    plot = drawing.submit(modelcard.error_plot, recipe.name, errors) if drawing else None
+    plot = drawing.submit(card_plots.error_plot, recipe.name, errors) if drawing else None
     try:
         return _write(job, the_plan, weights, model, stages, run, t0, errors, plot)
     finally:
@@ -117,12 +117,12 @@ def _write(job: Job, the_plan, weights: WeightStream, model, stages: dict, run: 
             "pass_seconds": run.pass_seconds,  # the quantize stage's time: device upload, FP forwards, jobs
             **({"distributed": run.provenance["distributed"]} if "distributed" in run.provenance else {}),
         })
-        if modelcard.plot_experts(extras, tmp / modelcard.EXPERT_PLOT) is not None:
-            extras.expert_plot = modelcard.EXPERT_PLOT
-        png = plot.result() if plot is not None else modelcard.error_plot(recipe.name, errors)
+        if card_plots.plot_experts(extras, tmp / card_plots.EXPERT_PLOT) is not None:
+            extras.expert_plot = card_plots.EXPERT_PLOT
+        png = plot.result() if plot is not None else card_plots.error_plot(recipe.name, errors)
         if png is not None:
-            (tmp / modelcard.ERROR_PLOT).write_bytes(png)
-            extras.error_plot = modelcard.ERROR_PLOT
+            (tmp / card_plots.ERROR_PLOT).write_bytes(png)
+            extras.error_plot = card_plots.ERROR_PLOT
         (tmp / "README.md").write_text(modelcard.render(extras))
         parts["card"] = time.perf_counter() - t3
         return extras

@@ -132,9 +132,9 @@ def test_error_plot_drawn_beside_the_weights_is_the_same_file(gptq_artifacts, ti
     from quantize.export import artifact
 
     threads = []
-    draw = artifact.modelcard.error_plot
+    draw = artifact.card_plots.error_plot
     monkeypatch.setattr(artifact, "PLOT_THREAD_CORES", 1)
-    monkeypatch.setattr(artifact.modelcard, "error_plot",
+    monkeypatch.setattr(artifact.card_plots, "error_plot",
                         lambda *a: threads.append(__import__("threading").current_thread().name) or draw(*a))
     again = runner.run(tiny_recipe(tmp_path, tiny_llama, name="gptq-w4", **CASES["gptq-w4"]), out_root=tmp_path / "a")
     assert threads and all(t.startswith("plot") for t in threads)

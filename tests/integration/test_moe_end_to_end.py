@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from eval.artifact import empty_model, load_dequantized
 from quantize import runner
 from quantize.methods import awq_grid, awq_search as awq, gptq_hessian
-from quantize.export import modelcard
+from quantize.export import card_plots
 from quantize.source.arch import arch_for, checkpoint_name, get_module
 from quantize.source.linears import all_linears
 from quantize.capture.forward import first_layer_inputs
@@ -121,7 +121,7 @@ def test_artifact_tensors_and_token_counts(artifacts, kind, variant, tmp_path):
     # the heatmap next to the table is the manifest's counts drawn, listed (and hashed) with the other files
     assert m["expert_plot"] == "experts.png" and "](experts.png)" in (out / "README.md").read_text()
     assert m["files"]["experts.png"]["sha256"] == sha256_file(out / "experts.png")
-    assert modelcard.plot_experts(m, tmp_path / "again.png") is not None
+    assert card_plots.plot_experts(m, tmp_path / "again.png") is not None
     assert (tmp_path / "again.png").read_bytes() == (out / "experts.png").read_bytes()
 
 

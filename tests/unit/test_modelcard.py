@@ -8,7 +8,7 @@ import json
 import pytest
 from huggingface_hub import ModelCard
 
-from quantize.export import modelcard
+from quantize.export import card_plots, modelcard
 
 MANIFEST = {
     "artifact": "smollm2-awq-g64",
@@ -124,7 +124,7 @@ def test_a_moe_card_shows_each_layers_routed_tokens_and_the_experts_under_the_ru
 def test_a_dense_card_has_no_expert_section(tmp_path):
     stats = {"0": {"self_attn.q_proj": {"loss": 1.0}}}
     assert "## Expert calibration" not in modelcard.render({**MANIFEST, "awq_stats": stats})  # MANIFEST is AWQ
-    assert modelcard.plot_experts({**MANIFEST, "awq_stats": stats}, tmp_path / "e.png") is None
+    assert card_plots.plot_experts({**MANIFEST, "awq_stats": stats}, tmp_path / "e.png") is None
     assert not (tmp_path / "e.png").exists()
 
 
@@ -134,14 +134,14 @@ def test_the_expert_heatmap_draws_the_manifests_counts_and_the_card_links_it(tmp
     stats = {str(i): {"experts": {"tokens": 1024, "routed_tokens": [700 - i, 0, 1300, 50 + i],
                                   "min_expert_tokens": 128, "calibrated_on_all_tokens": [1, 3]}} for i in range(3)}
     m = {**MANIFEST, "awq_stats": stats}
-    drawn = modelcard.plot_experts(m, tmp_path / "a.png")
+    drawn = card_plots.plot_experts(m, tmp_path / "a.png")
     assert drawn == [stats[str(i)]["experts"]["routed_tokens"] for i in range(3)]
     img = imread(tmp_path / "a.png")
     assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100 and img[..., :3].std() > 0.05
-    modelcard.plot_experts(m, tmp_path / "b.png")  # no timestamp or version inside: the same counts, same bytes
+    card_plots.plot_experts(m, tmp_path / "b.png")  # no timestamp or version inside: the same counts, same bytes
     assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()
     stats["2"]["experts"]["routed_tokens"][0] = 9
-    modelcard.plot_experts(m, tmp_path / "c.png")
+    card_plots.plot_experts(m, tmp_path / "c.png")
     assert (tmp_path / "a.png").read_bytes() != (tmp_path / "c.png").read_bytes()
     assert "](experts.png)" in modelcard.render({**m, "expert_plot": "experts.png"})
     assert "](experts.png)" not in modelcard.render(m)  # no plot written (matplotlib absent): no dead link
@@ -152,7 +152,7 @@ def test_the_card_lists_the_ten_largest_output_errors_and_links_their_plot(tmp_p
 
     errors = {str(i): {"self_attn.q_proj": 0.01 * (i + 1), "mlp.down_proj": 0.02 * (i + 1)} for i in range(8)}
     m = {**MANIFEST, "output_error": errors}
-    assert modelcard.plot_errors(m, tmp_path / "e.png")
+    assert card_plots.plot_errors(m, tmp_path / "e.png")
     img = imread(tmp_path / "e.png")
     assert img.ndim == 3 and img[..., :3].std() > 0.05
     card = modelcard.render({**m, "error_plot": "e.png"})
@@ -160,7 +160,7 @@ def test_the_card_lists_the_ten_largest_output_errors_and_links_their_plot(tmp_p
     rows = [line for line in body.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 10 and rows[0] == "| 7 | mlp.down_proj | 0.1600 |" and "](e.png)" in body
     assert "## Where the error comes from" not in modelcard.render(MANIFEST)
-    assert not modelcard.plot_errors(MANIFEST, tmp_path / "none.png")
+    assert not card_plots.plot_errors(MANIFEST, tmp_path / "none.png")
 
 
 def test_kl_and_top1_go_into_the_model_index():
