@@ -18,20 +18,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 from ..errors import UserError
 from ..files import human_bytes
 from .. import formats, methods
 from . import deploy, targets
-from ..source.arch import ARCHITECTURES, Arch, checkpoint_name, decoder_layers, layer_prefix
+from ..source.arch import Arch, checkpoint_name, decoder_layers, layer_prefix
 from ..source.linears import all_linears
 from ..source.experts import split_experts
 from ..recipe import Recipe
 
 TP_SIZES = (1, 2, 4, 8)
-EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # how configs count experts per layer
-FUSED_HINTS = ("qkv", "query_key_value", "gate_up", "w12", "w13")  # linear names that hold several projections
 # vLLM's CPU build (CPUWNA16) serves uint4 / uint4b8 only: 8-bit artifacts need a CUDA vLLM (checked 0.32).
 CPU_KERNEL = {4: "cpu_wna16", 8: "none: the CPU build serves 4-bit only (CUDA Marlin serves 8-bit)"}
 # Routed experts run in vLLM's fused MoE: its CPU build has a 4-bit path only on x86 with AMX tiles (checked
@@ -374,38 +371,3 @@ def pick_device(recipe: Recipe) -> torch.device:
     if recipe.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(recipe.device)
-
-
-def table_lacks(config, trust_remote_code: bool = False) -> str:
-    """What the architecture table (quantize/source/arch.py) would have to describe for this unsupported model, read
-    from its config and a meta-device instance -> one line: experts, fused projections, linears no entry names,
-    the norms (their kind, w or 1 + w, and which linears each feeds)."""
-    from transformers import AutoModelForCausalLM
-
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    lacks = []
-    experts = next((getattr(text, k) for k in EXPERT_KEYS if getattr(text, k, None)), None)
-    if experts:
-        lacks.append(f"experts ({experts} per layer: per-expert linears, shared experts, a router kept 16-bit)")
-    try:
-        with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    except Exception as e:  # noqa: BLE001 - any failure to build means we cannot say more than this
-        return "; ".join(lacks + [f"transformers cannot build it from config.json ({type(e).__name__})"])
-    stacks = [m for m in meta.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not stacks:
-        return "; ".join(lacks + ["a list of decoder layers (none found)"])
-    layer = max(stacks, key=len)[0]
-    known = {n for a in ARCHITECTURES.values() for n in a.linears}
-    linears = [n for n, m in layer.named_modules() if isinstance(m, nn.Linear) and "expert" not in n]
-    fused = [n for n in linears if n not in known and any(h in n.rsplit(".", 1)[-1] for h in FUSED_HINTS)]
-    other = [n for n in linears if n not in known and n not in fused]
-    if fused:
-        lacks.append(f"fused projections {fused} (which output slice feeds which linear: ScaleGroup.prev_parts)")
-    if other:
-        lacks.append(f"linears no entry names {other[:6]}")
-    norms = {n: type(m).__name__ for n, m in layer.named_modules() if "norm" in type(m).__name__.lower()}
-    kinds = sorted(set(norms.values()))
-    lacks.append(f"the norm kind (x̂·w or x̂·(1 + w): norm_offset) of {', '.join(kinds) or 'its norms'} and which "
-                 f"norm feeds which linears (ScaleGroup.prev) among {sorted(norms) or 'none'}")
-    return "; ".join(lacks)

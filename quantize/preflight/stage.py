@@ -28,7 +28,8 @@ from ..runlog import Timings
 from ..source import ModelSource, integrity, load as source
 from ..source.arch import Arch, UnsupportedArchitecture, arch_for
 from .checks import (NO_TARGETS, ROUTER_KEPT, Plan, check_free_disk, check_targets, cpu_moe_refusal, once_per_layer,
-                     plan, table_lacks)
+                     plan)
+from .unsupported import table_lacks
 
 log = logging.getLogger(__name__)
 

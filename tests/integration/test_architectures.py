@@ -259,7 +259,7 @@ def test_table_lacks_names_experts():
     """A mixture-of-experts config outside the table is described by its experts."""
     import transformers
 
-    from quantize.preflight.checks import table_lacks
+    from quantize.preflight.unsupported import table_lacks
 
     cfg = transformers.OlmoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_experts=4, num_experts_per_tok=2)
