@@ -75,13 +75,6 @@ def sizes(artifact: Path, w_bit: int) -> dict:
             "model_bits_per_weight": 8 * tensor_bytes / (weights["quantized"] + weights["other"])}
 
 
-def _group_text(m: Manifest) -> int | str:
-    """The group size a row shows: the recipe's, or for a mixed artifact the sizes its linears got, e.g. "64+32"."""
-    if m.mixed is None:
-        return m.recipe.q_group_size
-    return "+".join(str(g) for g in [m.mixed.base_group, *m.mixed.finer] if m.mixed.linears.get(str(g)))
-
-
 def source_bytes(m: Manifest) -> int | None:
     """Bytes of the FP16 source checkpoint's weight files (the 16-bit reference point), if still on disk."""
     resolved = Path(m.model.resolved or "")
@@ -100,7 +93,7 @@ def row(artifact: Path) -> dict:
     t = m.timings_s or {}
     return {
         "variant": m.artifact, "artifact": str(artifact), "external": False, "tool": None, "method": rec.method,
-        "w_bit": rec.w_bit, "group_size": _group_text(m), "zero_point": rec.zero_point, "format": m.format.name,
+        "w_bit": rec.w_bit, "group_size": m.group_text() if m.mixed else rec.q_group_size, "zero_point": rec.zero_point, "format": m.format.name,
         **sizes(artifact, rec.w_bit), **_figures(manifest.read_report(artifact)),
         "quantize_s": t.get("quantize"), "pipeline_s": round(sum(t.values()), 3) if t else None,
         "base_model": m.model.spec, "source_bytes": source_bytes(m),

@@ -192,7 +192,7 @@ def _register(mlflow, client, artifact: Path, m: Manifest, report: Report, stora
     registers the artifact by reference). Call it holding the writer's lock (registry_store.opened)."""
     r, by_reference = m.recipe, snap is None
     tags = {"base_model": m.model.spec, "method": r.method, "w_bit": str(r.w_bit),
-            "group_size": str(r.q_group_size), "format": m.format.name, "variant": m.artifact,
+            "group_size": m.group_text(), "format": m.format.name, "variant": m.artifact,
             "manifest_sha256": sha256_file(artifact / MANIFEST), "git_commit": str((m.git or {}).get("commit")),
             "artifact_path": str(artifact), "by_reference": str(by_reference).lower(),
             **{f"vllm_kernel_cc{cap}_tp{tp}": text  # pre-flight's deployability table, one tag per cell
@@ -211,7 +211,7 @@ def _register(mlflow, client, artifact: Path, m: Manifest, report: Report, stora
             mlflow.log_artifacts(str(snap), "model")
             source = f"{run.info.artifact_uri}/model"
     if not client.search_registered_models(filter_string=f"name = '{name}'"):
-        what = (f"{r.method} w{r.w_bit} g{r.q_group_size}" if name == m.artifact
+        what = (f"{r.method} w{r.w_bit} g{m.group_text()}" if name == m.artifact
                 else "4-bit variants (one version each; tags variant, method, group_size)")
         try:
             client.create_registered_model(name, description=f"{what} of {m.model.spec}, made by quantize")

@@ -176,6 +176,12 @@ class Manifest(Record):
     def undeclared(self, where: str = "") -> list[str]:
         return [k for k in super().undeclared(where) if k != f"{where}{self.stats_key}"]
 
+    def group_text(self) -> str:
+        """The group size its linears got: the recipe's, or for a mixed artifact each size used, e.g. "64+32"."""
+        if self.mixed is None:
+            return str(self.recipe.q_group_size)
+        return "+".join(str(g) for g in [self.mixed.base_group, *self.mixed.finer] if self.mixed.linears.get(str(g)))
+
     def expert_layers(self) -> list[tuple[int, Experts]]:
         """[(layer index, its routing record)] in layer order; [] for a dense model."""
         return sorted((int(i), Experts.of(s["experts"])) for i, s in self.stats.items() if "experts" in s)

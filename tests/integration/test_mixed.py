@@ -13,6 +13,7 @@ from eval.artifact import load_dequantized
 from eval.vllm_run import run_vllm
 from pipeline.compare import row, sizes
 from quantize import runner
+from quantize.records import Manifest
 from tests.conftest import tiny_recipe
 
 BUDGET = 4.42  # g64 stores 4.314 bits per weight on these shapes, g32 4.627: about a third of the weights move
@@ -39,6 +40,7 @@ def test_mixed_artifact_holds_both_sizes_within_the_budget(mixed_artifact):
     assert m["bits_per_weight_at"]["64"] < m["bits_per_weight"]
     assert m["error_sum"]["32"] <= m["error_sum"]["chosen"] < m["error_sum"]["64"]
     assert row(mixed_artifact)["group_size"] == "64+32"  # the comparison names both sizes
+    assert Manifest.of(json.loads((mixed_artifact / "manifest.json").read_text())).group_text() == "64+32"  # registry tag
     card = (mixed_artifact / "README.md").read_text()
     assert "## Mixed group sizes" in card and f"{m['bits_per_weight']:.4f} reached" in card
     tensors = load_file(str(mixed_artifact / "model.safetensors"))
