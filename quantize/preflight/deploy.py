@@ -166,7 +166,10 @@ class Table:
         return next(c for c in self.cells if (c.capability, c.tp, c.dtype) == (capability, tp, dtype))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.groups:  # one group size: no `groups` key in preflight.json or the manifest
+            del d["groups"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Table":
