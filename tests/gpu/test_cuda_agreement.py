@@ -106,9 +106,10 @@ def measured(request, tmp_path_factory) -> dict:
             del model
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
-    for key, r in out.items():  # the whole matrix in the log, whatever the assertions say
-        print("agreement", *key, r.get("delta", {}).get("mean_abs_delta"),
-              r.get("kernels") or r.get("refused") or r.get("failed"))
+        for c in cases:  # each shape's matrix in the log as soon as it is measured, whatever the assertions say
+            r = out[(shape, *c)]
+            print("agreement", shape, *c, r.get("delta", {}).get("mean_abs_delta"),
+                  r.get("kernels") or r.get("refused") or r.get("failed"), flush=True)
     return out
 
 
