@@ -155,8 +155,12 @@ def _record(artifact: Path, choice: AutoChoice) -> None:
     Its files but the card are untouched: the artifact is the one the recipe naming that method writes."""
     m = manifest.read(artifact)
     m.auto = choice
-    m.shared_pass = None  # the pass's facts are the choice's own (`auto`), as a run of one method records none
-    m.timings_s = {**(m.timings_s or {}), "quantize": choice.pass_s, "auto_score": round(
+    # the quantize stage that made it is the whole pass, every candidate's share (a pass of one recipe, the
+    # winner alone, records its own as it is); the pass's other facts are the choice's (`auto`), as a run of one
+    # method records no shared pass
+    pass_stage = (m.shared_pass or {}).get("pass_s", (m.timings_s or {}).get("quantize"))
+    m.shared_pass = None
+    m.timings_s = {**(m.timings_s or {}), "quantize": pass_stage, "auto_score": round(
         choice.reference_s + sum(c.score_s for c in choice.candidates), 3)}
     card = artifact / manifest.CARD
     atomic_write_text(card, modelcard.render(m))

@@ -218,9 +218,9 @@ def auto_section(a: AutoChoice) -> list[str]:
             f"samples, then scored by its mean next-token KL(FP16 || candidate) on {h.get('n_samples')} held-out "
             f"calibration samples of {h.get('seq_len')} tokens (samples {h.get('first_sample')} on, never fitted on; "
             f"over the FP16 model's top-{h.get('top_k')} tokens, a lower bound). Chosen: **{a.chosen}** ({a.why}). "
-            f"Choosing took {a.seconds:.1f} s: the pass {a.pass_s:.1f} s, the FP16 reference {a.reference_s:.1f} s, "
-            f"scoring the rest.", "",
-            "| candidate | format | held-out KL (nats) | top-1 | quantize (s) | score (s) |",
+            f"Choosing took {a.seconds:.1f} s: the run of every candidate {a.pass_s:.1f} s (pre-flight to export), "
+            f"the FP16 reference {a.reference_s:.1f} s, scoring each candidate the rest.", "",
+            "| candidate | format | held-out KL (nats) | top-1 | its share of the pass (s) | score (s) |",
             "|---|---|---:|---:|---:|---:|",
             *[f"| {c.method}{' (chosen)' if c.method == a.chosen else ''} | {c.format} | {kl(c.kl_mean)} | "
               f"{kl(c.top1)} | {c.quantize_s:.1f} | {c.score_s:.1f} |" for c in a.candidates],

@@ -109,7 +109,7 @@ class AutoChoice(Record):
     candidates: list[AutoCandidate]
     left_out: dict[str, str]  # default candidates this recipe cannot write -> why
     holdout: dict[str, Any]  # first_sample, n_samples, seq_len, tokens, samples_sha256, top_k
-    pass_s: Num  # the shared pass of every candidate, load to export
+    pass_s: Num  # the run of every candidate: pre-flight, load, the shared pass, every candidate's export
     reference_s: Num  # the FP model loaded and scored on the held-out samples
     seconds: Num  # the whole choice: pass, reference, every candidate's score
 

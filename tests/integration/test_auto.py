@@ -32,6 +32,9 @@ def test_auto_writes_the_artifact_of_the_lowest_held_out_kl(tiny_llama, tmp_path
     assert a.chosen == min(rows, key=lambda k: rows[k].kl_mean) and m.recipe.method == a.chosen
     assert len({c.kl_mean for c in rows.values()}) == 3  # three methods, three different artifacts
     assert a.pass_s >= sum(c.quantize_s for c in rows.values()) and a.seconds > a.pass_s
+    # the cost is the choice's, not the winner's share: the quantize stage is the whole pass, the scoring its own
+    assert sum(c.quantize_s for c in rows.values()) <= m.timings_s["quantize"] <= a.pass_s and m.shared_pass is None
+    assert m.timings_s["auto_score"] >= sum(c.score_s for c in rows.values())
     assert json.loads((out_root / "tiny-auto.auto.json").read_text()) == a.to_json()
     assert sorted(p.name for p in out_root.iterdir()) == ["tiny-auto", "tiny-auto.auto.json"]  # no candidate left
     card = (art / "README.md").read_text()
