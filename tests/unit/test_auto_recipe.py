@@ -53,3 +53,17 @@ def test_a_bad_candidate_stops_the_run_before_any_model_loads(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "remove gptq from auto.candidates" in err and "/nowhere" not in err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_compare_and_a_plain_pass_refuse_an_auto_recipe_before_any_model_loads(tmp_path):
+    """Only `run` chooses; compare is told to list one recipe per method, and a pass of the recipe itself is
+    refused (the model does not exist: neither gets as far as looking for it)."""
+    from pipeline.compare import run_comparison
+    from quantize import runner
+    from quantize.preflight.checks import PreflightError
+
+    p = write_recipe(tmp_path / "r.yaml", **BASE)
+    with pytest.raises(RecipeError, match="give compare one recipe per method"):
+        run_comparison([str(p)], tmp_path / "out")
+    with pytest.raises(PreflightError, match="method auto is run by `python -m pipeline run`"):
+        runner.run_many([load_recipe(p)], tmp_path / "out")
