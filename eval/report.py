@@ -355,6 +355,7 @@ def _evaluate(artifact: Path, base_spec: str, eopts, manifest: Manifest | None, 
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
         "perplexity": ppl, "distribution": dist, "gates": gates,
         "output_error_worst": output_error.worst((manifest.output_error if manifest else None) or {}),
+        **({"auto": manifest.auto.to_json()} if manifest is not None and manifest.auto is not None else {}),
         "vllm_smoke": smoke_res, "lm_eval": lm,
         "quantize_timings_s": manifest.timings_s if manifest else None, "eval_timings_s": timings, "passed": passed,
     })

@@ -92,7 +92,8 @@ def render_markdown(r: Report) -> str:
         f"Gates: max Δ {g.max_ppl_delta}, max Δ% {g.max_ppl_delta_pct}, max KL "
         f"{g.max_kl}, min top-1 {g.min_top1}: "
         + ("passed" if g.passed else "FAILED: " + "; ".join(g.failures)), "",
-        *_distribution_md(r.distribution), *_errors_md(r.output_error_worst),
+        *_distribution_md(r.distribution), *(modelcard.auto_section(r.auto) if r.auto else []),
+        *_errors_md(r.output_error_worst),
         "## vLLM smoke-load", "",
     ]
     if s.skipped is not None:

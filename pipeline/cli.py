@@ -20,7 +20,7 @@ from pathlib import Path
 # everything that does is imported inside the command that needs it
 from quantize.errors import UserError
 from quantize.paths import check_output_parent, child
-from quantize.recipe import EvalOptions, RecipeError, list_recipes, load_recipe, load_variants
+from quantize.recipe import AUTO, EvalOptions, RecipeError, list_recipes, load_recipe, load_variants
 from . import bytecode, compare_cli, register_cli
 from .oom import is_out_of_memory, oom_message
 
@@ -219,8 +219,15 @@ def _run_command(args, recipe, out: Path) -> int:
                 if writer:  # a slow CPU and a skipped smoke are said now, not after minutes
                     expect.announce(recipe, evaluates, device)
                 check = hashes.before_weights if writer else stages.check_eval_inputs
-                written = runner.run(recipe, out_root=args.out, force=args.force, locked=True, dist=dist,
-                                     before_weights=check if evaluates else None, out=out, device=device)
+                if recipe.method == AUTO:  # its candidates in one pass, scored, the winner written to `out`
+                    from . import auto
+
+                    if dist is not None:
+                        raise RecipeError(f"method {AUTO} runs in one process: start it without torchrun")
+                    written = auto.run(recipe, args.out, args.force, check if evaluates else None, out, device)
+                else:
+                    written = runner.run(recipe, out_root=args.out, force=args.force, locked=True, dist=dist,
+                                         before_weights=check if evaluates else None, out=out, device=device)
             except BaseException as e:  # noqa: BLE001 - the first failing rank's message is the one to show
                 if dist is None:
                     raise

@@ -16,7 +16,7 @@ from pathlib import Path
 from quantize import formats, manifest, methods, runner
 from quantize.export.modelcard import protocol_sentence
 from quantize.paths import child
-from quantize.recipe import load_variants
+from quantize.recipe import AUTO, RecipeError, load_variants
 from quantize.records import Manifest, Report
 from quantize.lock import output_lock
 
@@ -273,6 +273,10 @@ def run_comparison(recipe_names: list[str], out_root: Path, force: bool = False,
     failed; another tool's directory that fails a gate shows it in its row and changes no exit code).
     """
     variants = [v for n in recipe_names for v in load_variants(n)]  # every variant validated before any load
+    auto = [v.name for v in variants if v.method == AUTO]
+    if auto:
+        raise RecipeError(f"{auto[0]}: method {AUTO} writes the one artifact it chooses; to compare methods side by "
+                          f"side, give compare one recipe per method (its card lists each candidate's held-out KL)")
     name = name or default_name([Path(n).stem for n in recipe_names])
     comparison_stem(out_root, name)  # a --name that leads outside --out is refused before any work
     external_dirs = [Path(d) for d in external_dirs]

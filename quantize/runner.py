@@ -33,7 +33,7 @@ from .lock import output_lock
 from .paths import check_output_parent, child
 from .preflight.checks import NO_TARGETS, PreflightError, cpu_moe_refusal, pick_device, tied_embeddings
 from .preflight.stage import BeforeWeights, Checked, pick_compute_dtype, preflight
-from .recipe import Recipe, load_recipe
+from .recipe import AUTO, Recipe, load_recipe
 from .runlog import RunLog, Timings
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,9 @@ def preflight_only(recipe: Recipe | str | Path, out_root: str | Path = "artifact
     recipe: a parsed recipe, or its name or YAML path; out: its artifact directory where the caller has worked it
     out (`paths.child`) and checked out_root already."""
     recipe = _parsed(recipe)
+    if recipe.method == AUTO:  # each candidate checked as the run writes it, its plan in a JSON file of its own
+        return "\n".join(preflight_only(c, out_root, force, before_weights, _candidate_json(json_path, out_root, c),
+                                         out) for c in recipe.auto_candidates()[0])
     if out is None:
         out = _artifact_dirs([recipe], out_root)[0]
     json_path = Path(json_path) if json_path else child(out_root, f"{recipe.name}.preflight.json", "recipe name")
@@ -87,6 +90,13 @@ def preflight_only(recipe: Recipe | str | Path, out_root: str | Path = "artifact
     json_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(json_path, the_plan.to_json() + "\n")
     return report + f"plan (JSON): {json_path}"
+
+
+def _candidate_json(json_path: str | Path | None, out_root: str | Path, c: Recipe) -> Path:
+    """Where the plan of `method: auto`'s candidate `c` goes: <json_path or <name>.preflight.json> with the
+    method before the suffix."""
+    path = Path(json_path) if json_path else child(out_root, f"{c.name}.preflight.json", "recipe name")
+    return path.with_name(f"{path.stem}.{c.method}{path.suffix}")
 
 
 SHARED_KEYS = ("model", "calibration", "device", "dtype", "compute_dtype", "batch_size", "trust_remote_code")
@@ -118,7 +128,9 @@ def _checked(recipes: list[Recipe], outs: list[Path], force: bool, timings: Timi
     if len({share_key(r) for r in recipes}) != 1:
         diff = [k for k in SHARED_KEYS if len({repr(r.to_dict()[k]) for r in recipes}) > 1]
         raise PreflightError(f"recipes {[r.name for r in recipes]} cannot share a pass: they differ in {diff}")
-    if len({r.name for r in recipes}) != len(recipes):
+    # one name may be written twice, into different directories: `method: auto`'s candidates are the one recipe
+    # naming each method; what must differ is where each artifact goes
+    if len(set(outs)) != len(outs):
         raise PreflightError(f"two recipes have the same name in {[r.name for r in recipes]}")
     for out in outs:
         if out.exists() and not force:
@@ -155,6 +167,11 @@ def run_many(recipes: list[Recipe], out_root: str | Path = "artifacts", force: b
     device: the device the pass computes on where the caller has decided it (`pick_device`). Each is worked out
     here otherwise, once, and handed to the warm-up, pre-flight and its before_weights hook.
     """
+    auto = [r.name for r in recipes if r.method == AUTO]
+    if auto:  # its candidates are what a pass quantizes (`pipeline.auto`), not the recipe itself
+        raise PreflightError(f"{auto[0]}: method {AUTO} is run by `python -m pipeline run` (make quantize), which "
+                             f"quantizes and scores its candidates; to compare methods side by side, give `compare` "
+                             f"one recipe per method")
     if outs is None:
         outs = _artifact_dirs(recipes, out_root)
     writer = dist is None or dist.rank == 0

@@ -18,7 +18,7 @@ from .. import formats
 from ..source.gguf import gguf_license
 from . import capacity, cpu_serve, serve_config
 from ..methods import output_error
-from ..records import Calibration, Distribution, LmEval, Manifest, Protocol, Report
+from ..records import AutoChoice, Calibration, Distribution, LmEval, Manifest, Protocol, Report
 
 log = logging.getLogger(__name__)
 
@@ -195,13 +195,36 @@ def render(manifest: Manifest | dict, report: Report | dict | None = None) -> st
                                          ("linears left 16-bit", ", ".join(_kept_16bit(m)) or "none"),
                                          ("tensor-parallel sizes", _tp_text(m)),
                                          ("versions where quantized", _versions_text(m)))],
-        "", *_mixed(m), *_experts(m), *_errors(m), "## Evaluation", "", *_evaluation(report), "",
+        "", *_auto(m), *_mixed(m), *_experts(m), *_errors(m), "## Evaluation", "", *_evaluation(report), "",
         "## Integrity and reproduction", "",
         "`manifest.json` lists the sha256 of every file; `python -m pipeline eval --artifact <dir>` and the registry refuse "
         "the directory if any file differs. `recipe.yaml` is the resolved recipe; re-run it with "
         f"`make quantize RECIPE={m.artifact}` (quantize git commit `{(m.git or {}).get('commit')}`).", ""]
     card = ModelCard(f"---\n{card_data(m, report).to_yaml()}\n---\n\n" + "\n".join(body))
     return str(card)
+
+
+def _auto(m: Manifest) -> list[str]:
+    """Which method `method: auto` chose; [] for a method the recipe named."""
+    return auto_section(m.auto) if m.auto is not None else []
+
+
+def auto_section(a: AutoChoice) -> list[str]:
+    """`method: auto`'s choice as markdown (the card's and report.md's): each candidate's held-out KL and seconds."""
+    h = a.holdout
+    kl = lambda v: "n/a" if v is None else f"{v:.5f}"  # noqa: E731
+    return ["## Method chosen by auto", "",
+            f"The recipe asked for `method: auto`: each candidate was quantized in one shared pass on the calibration "
+            f"samples, then scored by its mean next-token KL(FP16 || candidate) on {h.get('n_samples')} held-out "
+            f"calibration samples of {h.get('seq_len')} tokens (samples {h.get('first_sample')} on, never fitted on; "
+            f"over the FP16 model's top-{h.get('top_k')} tokens, a lower bound). Chosen: **{a.chosen}** ({a.why}). "
+            f"Choosing took {a.seconds:.1f} s: the run of every candidate {a.pass_s:.1f} s (pre-flight to export), "
+            f"the FP16 reference {a.reference_s:.1f} s, scoring each candidate the rest.", "",
+            "| candidate | format | held-out KL (nats) | top-1 | its share of the pass (s) | score (s) |",
+            "|---|---|---:|---:|---:|---:|",
+            *[f"| {c.method}{' (chosen)' if c.method == a.chosen else ''} | {c.format} | {kl(c.kl_mean)} | "
+              f"{kl(c.top1)} | {c.quantize_s:.1f} | {c.score_s:.1f} |" for c in a.candidates],
+            *[f"- {n}: not a candidate ({why})" for n, why in a.left_out.items()], ""]
 
 
 def _mixed(m: Manifest) -> list[str]:

@@ -209,7 +209,7 @@ class AtomicDir:
             _readable(self.tmp)
             for p in [self.tmp / manifest.MANIFEST, *(d for d in self.tmp.rglob("*") if d.is_dir()), self.tmp]:
                 fsync_path(p)
-            old = _swap_in(self.tmp, self.out)
+            old = swap_in(self.tmp, self.out)
         except BaseException as e:
             mapped = self.abort(e)
             if mapped is not e:
@@ -218,7 +218,7 @@ class AtomicDir:
         self.done = True
         if old is not None:  # timed apart from the seal: 1.1 s for a 5.6 GB artifact on the 2-core box, 1.8-2.2 s
             t0 = time.perf_counter()  # on the H100 and H200 hosts (docs/BENCHMARKS.md)
-            _remove(old)
+            remove_path(old)
             self.replaced_s = time.perf_counter() - t0
         return self.out
 
@@ -241,7 +241,7 @@ class AtomicDir:
         return e
 
 
-def _swap_in(tmp: Path, out: Path) -> Path | None:
+def swap_in(tmp: Path, out: Path) -> Path | None:
     """Rename tmp to out; a previous out is moved aside first and moved back if the second rename fails -> where
     the previous out now is (the caller removes it), None where there was none."""
     if not out.exists():
@@ -261,7 +261,7 @@ def _swap_in(tmp: Path, out: Path) -> Path | None:
     return old
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
     """Remove a directory tree or a single file (what `--force` moved aside may be either)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -292,11 +292,11 @@ def remove_stale(out: Path) -> list[str]:
             done.append(f"a run of {out} was killed while replacing it: put back the previous artifact from "
                         f"{old.name}")
         else:
-            _remove(old)
+            remove_path(old)
             done.append(f"a run of {out} was killed after replacing it: finished the replacement by removing the "
                         f"previous artifact {old.name}")
     for tmp in sorted(out.parent.glob(temp_name(out))):
-        _remove(tmp)
+        remove_path(tmp)
         done.append(f"removed {tmp.name}, the unfinished artifact of a killed run of {out}")
     for line in done:
         log.warning("%s", line)

@@ -24,6 +24,8 @@ class Method:
     colour: ClassVar[str] = "tab:gray"  # its points in comparison plots
     # its layer jobs report each converted linear's relative output error under ERRORS (what `mixed:` ranks by)
     measures_output_error: ClassVar[bool] = False
+    # one of the candidates `method: auto` tries when the recipe lists none (`auto.candidates`)
+    auto_default: ClassVar[bool] = True
 
     def propagation(self, recipe) -> str:
         """What this recipe's layer inputs are: "fp" (the FP model's, shared by every such job in a comparison),

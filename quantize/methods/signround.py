@@ -34,6 +34,9 @@ class SignRound(Method):
     options = SignRoundOptions
     default_format = "awq"
     colour = "tab:purple"
+    # its tuning steps per layer make it a GPU host's method (README): `method: auto` tries it only where the
+    # recipe lists it in auto.candidates
+    auto_default = False
 
     def propagation(self, recipe) -> str:
         return "quantized"

@@ -23,7 +23,8 @@ for time or changes only time and memory, as docs/BENCHMARKS.md measured for eac
 
 # the package's names, so `from quantize.recipe import Recipe` reads the same from any module
 from .load import RECIPES_DIR, expand_sweep, list_recipes, load_recipe, load_variants, model_beside, recipe_path
-from .options import (Advanced, AdvancedAwq, AdvancedGptq, Calibration, EvalOptions, GROUP_SIZES, KV_CACHE_DTYPES,
-                      LmEvalOptions, MAX_KL, MIN_EXPERT_TOKENS, MIN_TOP1, MixedOptions, MoeOptions, PerplexityOptions,
-                      RecipeError, SERVED_NAME, SERVE_CAPABILITIES, ServeOptions, ServeTarget, VllmSmokeOptions)
+from .options import (AUTO, Advanced, AdvancedAwq, AdvancedGptq, AutoOptions, Calibration, EvalOptions, GROUP_SIZES,
+                      KV_CACHE_DTYPES, LmEvalOptions, MAX_KL, MIN_EXPERT_TOKENS, MIN_TOP1, MixedOptions, MoeOptions,
+                      PerplexityOptions, RecipeError, SERVED_NAME, SERVE_CAPABILITIES, ServeOptions, ServeTarget,
+                      VllmSmokeOptions)
 from .schema import Recipe, parse_size

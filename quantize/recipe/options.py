@@ -12,6 +12,7 @@ from ..errors import UserError
 from ..methods.options import Strict
 
 GROUP_SIZES = (-1, 32, 64, 128)  # -1 = per output channel (formats/ says which take it)
+AUTO = "auto"  # the `method:` that picks one of the registered methods per model (`AutoOptions`)
 
 
 class RecipeError(UserError, ValueError):
@@ -67,6 +68,26 @@ class MixedOptions(Strict):
     def sizes(self) -> tuple[int, ...]:
         """Every group size a linear may get, base first, then finer ones coarsest first."""
         return (self.base_group, *self.finer)
+
+
+class AutoOptions(Strict):
+    """`method: auto` (docs/METHODS.md, "Choosing the method by held-out KL"): every candidate method is quantized in
+    one shared pass on the recipe's calibration samples, then each is scored by the mean KL divergence of its
+    next-token distributions from the unquantized model's on `holdout_samples` further samples of the same
+    calibration text (drawn after the ones the methods fit on, never the evaluation text); the lowest wins."""
+
+    candidates: tuple[str, ...] | None = None  # None = every shipped method that is a default candidate and fits
+    holdout_samples: int = Field(16, gt=0)  # seq_len-token blocks after the n_samples the methods fit on
+
+    @field_validator("candidates")
+    @classmethod
+    def _distinct(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if v is not None and not v:
+            raise ValueError("auto.candidates is empty; list at least one method, or leave the key out for the "
+                             "defaults")
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError(f"auto.candidates {list(v)} lists a method twice")
+        return v
 
 
 class AdvancedAwq(Strict):

@@ -8,9 +8,11 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .. import formats, methods
+from ..errors import did_you_mean
 from ..methods.awq import AwqOptions
 from ..methods.gptq import GptqOptions
-from .options import GROUP_SIZES, Advanced, Calibration, EvalOptions, MixedOptions, MoeOptions, ServeOptions, Strict
+from .options import (AUTO, GROUP_SIZES, Advanced, AutoOptions, Calibration, EvalOptions, MixedOptions, MoeOptions,
+                      ServeOptions, Strict)
 
 
 class Recipe(Strict):
@@ -20,7 +22,7 @@ class Recipe(Strict):
     base: str | None = None
     description: str = ""
     model: str
-    method: str  # a registered method (quantize/methods): awq | gptq | rtn
+    method: str  # a registered method (quantize/methods): awq | gptq | rtn | signround; or auto (`auto:`)
     w_bit: int = 4
     q_group_size: int = 128
     zero_point: bool = True  # AutoAWQ's key; false = symmetric (code inside the package says `symmetric`)
@@ -48,6 +50,7 @@ class Recipe(Strict):
     advanced: Advanced = Advanced()
     moe: MoeOptions | None = None  # mixture-of-experts settings; None = the defaults (`MoeOptions`)
     mixed: MixedOptions | None = None  # several group sizes under a bits-per-weight budget; None = q_group_size only
+    auto: AutoOptions | None = None  # `method: auto`'s candidates and held-out samples; None = the defaults
 
     @model_validator(mode="before")
     @classmethod
@@ -61,8 +64,8 @@ class Recipe(Strict):
     @field_validator("method")
     @classmethod
     def _method(cls, v: str) -> str:
-        if v not in methods.REGISTRY:
-            raise ValueError(f"method {v!r} is unknown; use one of {methods.names()}")
+        if v != AUTO and v not in methods.REGISTRY:
+            raise ValueError(f"method {v!r} is unknown; use one of {methods.names()} or {AUTO}")
         return v
 
     @field_validator("q_group_size")
@@ -101,7 +104,8 @@ class Recipe(Strict):
 
     @model_validator(mode="after")
     def _served_by_vllm(self) -> "Recipe":
-        problem = formats.get(self.out_format).problem(self)
+        # with method auto each candidate writes its own format: `_auto_problem` checks them one by one
+        problem = formats.get(self.out_format).problem(self) if self.method != AUTO else None
         if problem:
             raise ValueError(problem)
         if self.advanced.awq.coarse_step >= self.awq.n_grid:
@@ -119,10 +123,65 @@ class Recipe(Strict):
             except ValidationError as e:
                 raise ValueError(f"`{name}`: " + "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
                                                         for x in e.errors())) from None
-        problem = methods.get(self.method).problem(self) or self._mixed_problem()
+        if self.method == AUTO:
+            problem = self._auto_problem()
+        elif self.auto is not None:
+            problem = f"auto: is read with method: {AUTO} only; remove the `auto:` block or set method: {AUTO}"
+        else:
+            problem = methods.get(self.method).problem(self) or self._mixed_problem()
         if problem:
             raise ValueError(problem)
         return self
+
+    @property
+    def auto_options(self) -> AutoOptions:
+        """`method: auto`'s settings: the `auto:` block, or the defaults where the recipe has none."""
+        return self.auto or AutoOptions()
+
+    def candidate(self, method: str) -> "Recipe":
+        """This recipe naming `method` instead of auto: what a candidate of `method: auto` quantizes and writes,
+        the same recipe (name, settings, recipe.yaml) as one that named the method itself."""
+        return self.model_copy(update={"method": method, "auto": None})
+
+    def _candidate_problem(self, method: str) -> str | None:
+        """Why this recipe with `method` cannot be written (its format's check, then the method's); None if it can."""
+        c = self.candidate(method)
+        return formats.get(c.out_format).problem(c) or methods.get(method).problem(c)
+
+    def auto_candidates(self) -> tuple[list["Recipe"], dict[str, str]]:
+        """`method: auto`'s candidates -> (one recipe per candidate method, in order; default methods left out
+        because this recipe cannot write them -> why). Listed candidates are all kept: validation refused the
+        recipe if one cannot be written."""
+        listed = self.auto_options.candidates
+        names = listed if listed is not None else [n for n in methods.names() if methods.get(n).auto_default]
+        kept, left_out = [], {}
+        for name in names:
+            why = self._candidate_problem(name)
+            if why:
+                left_out[name] = why
+            else:
+                kept.append(self.candidate(name))
+        return kept, left_out
+
+    def _auto_problem(self) -> str | None:
+        """What `method: auto` with these candidates cannot do, saying what to change; None when fine."""
+        if self.mixed is not None:
+            return (f"mixed: picks group sizes for one method's linears; with method: {AUTO} name the method "
+                    f"instead, or remove the `mixed:` block")
+        listed = self.auto_options.candidates
+        for name in listed or ():
+            if name == AUTO or name not in methods.REGISTRY:
+                return (f"auto.candidates: method {name!r} is unknown{did_you_mean(name, methods.names())}; list "
+                        f"methods of {methods.names()}")
+            why = self._candidate_problem(name)
+            if why:
+                return f"auto.candidates: {name} cannot be written with this recipe: {why}; or remove {name} from " \
+                       f"auto.candidates"
+        kept, left_out = self.auto_candidates()
+        if not kept:
+            why = "; ".join(f"{n}: {w}" for n, w in left_out.items())
+            return f"method {AUTO}: no default candidate can be written with this recipe ({why}); list auto.candidates"
+        return None
 
     def _mixed_problem(self) -> str | None:
         """What a `mixed:` block asks that cannot be written or chosen, saying what to change; None when fine."""
@@ -161,9 +220,9 @@ class Recipe(Strict):
         return methods.get(name).options(**self.sections.get(name, {}))
 
     def to_dict(self) -> dict[str, Any]:
-        """The resolved recipe as plain data (what the artifact records); `moe` and `mixed` only when set."""
+        """The resolved recipe as plain data (what the artifact records); `moe`, `mixed` and `auto` only when set."""
         d = self.model_dump(mode="json")
-        for key in ("moe", "mixed"):
+        for key in ("moe", "mixed", "auto"):
             if d[key] is None:
                 del d[key]
         if self.sections:  # a registered method's own section, after the built-in ones

@@ -21,12 +21,12 @@ The base class and its rules are in `base`, the manifest's classes in `manifest_
 from __future__ import annotations
 
 from .base import Num, Record, stats_key
-from .manifest_json import (Calibration, Capacity, Deploy, Experts, FileRecord, FormatRecord, Manifest, ModelRecord,
-                            RecipeSnapshot, ReportHashes, Seal)
+from .manifest_json import (AutoCandidate, AutoChoice, Calibration, Capacity, Deploy, Experts, FileRecord,
+                            FormatRecord, Manifest, ModelRecord, RecipeSnapshot, ReportHashes, Seal)
 from .report_json import (Distribution, ErrorRow, Gates, LmEval, LmScores, Perplexity, PplSide, Protocol, Report,
                           ScoredOn, Smoke, WorstWindow)
 
-__all__ = ["Calibration", "Capacity", "Deploy", "Distribution", "ErrorRow", "Experts", "FileRecord", "FormatRecord",
-           "Gates", "LmEval", "LmScores", "Manifest", "ModelRecord", "Num", "Perplexity", "PplSide", "Protocol",
-           "RecipeSnapshot", "Record", "Report", "ReportHashes", "ScoredOn", "Seal", "Smoke", "WorstWindow",
-           "stats_key"]
+__all__ = ["AutoCandidate", "AutoChoice", "Calibration", "Capacity", "Deploy", "Distribution", "ErrorRow", "Experts",
+           "FileRecord", "FormatRecord", "Gates", "LmEval", "LmScores", "Manifest", "ModelRecord", "Num", "Perplexity",
+           "PplSide", "Protocol", "RecipeSnapshot", "Record", "Report", "ReportHashes", "ScoredOn", "Seal", "Smoke",
+           "WorstWindow", "stats_key"]

@@ -88,6 +88,32 @@ class Mixed(Record):
     errors: dict[str, dict[str, dict[str, Num]]]
 
 
+class AutoCandidate(Record):
+    """One candidate of `method: auto`: how it scored on the held-out samples and what it cost."""
+
+    method: str
+    format: str  # the format it was written in (its own default under `format: auto`)
+    kl_mean: Num | None  # mean per-token KL(FP || candidate), nats, over the FP model's top-k (a lower bound)
+    top1: Num | None  # share of held-out tokens whose most likely next token agrees with the FP model's
+    quantize_s: Num  # its own share of the shared layer-by-layer pass
+    score_s: Num  # loading its decoded weights and scoring them
+    problem: str | None = None  # why it could not be chosen (a KL that is not finite)
+
+
+class AutoChoice(Record):
+    """`method: auto`'s choice (`pipeline.auto`): every candidate's held-out KL and seconds, which won and why, the
+    held-out samples (rows after the ones the methods fit on) and the whole cost, as the manifest's `auto`."""
+
+    chosen: str
+    why: str  # "lowest held-out KL", or the tie it broke
+    candidates: list[AutoCandidate]
+    left_out: dict[str, str]  # default candidates this recipe cannot write -> why
+    holdout: dict[str, Any]  # first_sample, n_samples, seq_len, tokens, samples_sha256, top_k
+    pass_s: Num  # the run of every candidate: pre-flight, load, the shared pass, every candidate's export
+    reference_s: Num  # the FP model loaded and scored on the held-out samples
+    seconds: Num  # the whole choice: pass, reference, every candidate's score
+
+
 class Experts(Record):
     """One MoE layer's routing record inside a method's statistics."""
 
@@ -148,6 +174,7 @@ class Manifest(Record):
     capacity: Capacity | None = None
     output_error: dict[str, dict[str, Num]] | None = None  # layer -> linear -> relative output error
     mixed: Mixed | None = None  # several group sizes under a budget: what was chosen (`quantize.mixed`)
+    auto: AutoChoice | None = None  # `method: auto`: the method chosen, every candidate's score and seconds
     shared_pass: dict[str, Any] | None = None
     device: str | None = None
     compute_dtype: str | None = None

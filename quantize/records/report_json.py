@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from .base import Num, Record
+from .manifest_json import AutoChoice
 
 
 class PplSide(Record):
@@ -154,6 +155,7 @@ class Report(Record):
     distribution: Distribution | None = None
     gates: Gates | None = None
     output_error_worst: list[ErrorRow] | None = None
+    auto: AutoChoice | None = None  # `method: auto`'s choice, from the manifest (its candidates' held-out KLs)
     vllm_smoke: Smoke
     lm_eval: LmEval | None = None
     quantize_timings_s: dict[str, Num] | None = None
