@@ -39,14 +39,17 @@ def copy_tokenizer(out: Path) -> None:
         shutil.copy(f, out / f.name)
 
 
-def shaped_config(config_dir: Path, layers: int | None, tiny: bool):
-    """The published config, optionally cut to `layers` decoder layers or shrunk to the tiny shape."""
+def shaped_config(config_dir: Path, layers: int | None, tiny: bool, vocab: int | None = None):
+    """The published config, optionally cut to `layers` decoder layers, its vocabulary cut to `vocab` ids, or
+    shrunk to the tiny shape."""
     cfg = AutoConfig.from_pretrained(config_dir)
     changes = dict(TINY) if tiny else {}
     if tiny and hasattr(cfg, "moe_intermediate_size"):
         changes.update(TINY_MOE)
     if layers is not None:
         changes["num_hidden_layers"] = layers
+    if vocab is not None:
+        changes["vocab_size"] = vocab
     for key, value in changes.items():
         setattr(cfg, key, value)
     n = cfg.num_hidden_layers
@@ -59,8 +62,9 @@ def shaped_config(config_dir: Path, layers: int | None, tiny: bool):
     return cfg
 
 
-def build(config_dir: Path, out: Path, layers: int | None, tiny: bool, device: str, seed: int) -> dict:
-    cfg = shaped_config(config_dir, layers, tiny)
+def build(config_dir: Path, out: Path, layers: int | None, tiny: bool, device: str, seed: int,
+          vocab: int | None = None) -> dict:
+    cfg = shaped_config(config_dir, layers, tiny, vocab)
     spec = {"config": str(config_dir.resolve().relative_to(ROOT)) if config_dir.resolve().is_relative_to(ROOT)
             else str(config_dir), "layers": cfg.num_hidden_layers, "tiny": tiny, "seed": seed,
             "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -100,11 +104,15 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="2 layers, hidden 256 (CPU tests of the bench)")
     ap.add_argument("--device", default="cuda", help="where the weights are drawn (cuda is fast)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=None,
+                    help=f"cut the vocabulary to N ids (at least the tokenizer's {TOKENIZER_VOCAB}): the embedding and "
+                         f"lm_head shrink, the decoder's linears keep the published shape")
     args = ap.parse_args()
     if args.layers is not None and args.layers < 1:
         sys.exit("error: --layers must be at least 1")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    print(json.dumps(build(args.config, args.out, args.layers, args.tiny, args.device, args.seed)), flush=True)
+    print(json.dumps(build(args.config, args.out, args.layers, args.tiny, args.device, args.seed, args.vocab)),
+          flush=True)
 
 
 if __name__ == "__main__":

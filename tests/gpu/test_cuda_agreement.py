@@ -5,7 +5,9 @@ act-order that vLLM serves, and a combination it refuses is named with vLLM's ow
 Runs on a CUDA host with vLLM's CUDA build (`make venv` there): `.venv/bin/python -m pytest -m gpu tests/gpu -rs`.
 Three shapes, each cut to two decoder layers of random-init weights (bench/build_checkpoint.py): Qwen2.5-7B (3584
 in, 18944 intermediate: the tiles Marlin and Machete pick for a 7B), Gemma 3 270M (640 / 2048, head dim 256) and
-SmolLM2-135M (576 / 1536: no group of 128 divides 576, so g32 and g64). Every artifact of a shape is loaded by one
+SmolLM2-135M (576 / 1536: no group of 128 divides 576, so g32 and g64); the vocabulary is cut to the bundled
+tokenizer's 49,152 ids (the 16-bit embedding and lm_head are what a 7B cut's artifacts would mostly hold, and
+what a matrix of them would write to disk). Every artifact of a shape is loaded by one
 vLLM process in turn (`run_vllm_many`), which also reports the kernel each quantized linear ran.
 """
 
@@ -87,7 +89,8 @@ def measured(request, tmp_path_factory) -> dict:
         tmp = tmp_path_factory.mktemp(shape)
         ckpt = tmp / "ckpt"
         subprocess.run([sys.executable, str(ROOT / "bench/build_checkpoint.py"), "--config",
-                        str(ROOT / "bench/configs" / shape), "--layers", "2", "--device", DEVICE, "--out", str(ckpt)],
+                        str(ROOT / "bench/configs" / shape), "--layers", "2", "--vocab", "49152", "--device", DEVICE,
+                        "--out", str(ckpt)],
                        check=True)
         built = []
         for c in cases:
