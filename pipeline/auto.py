@@ -170,8 +170,5 @@ def _record(artifact: Path, choice: AutoChoice) -> None:
 
 def summary(choice: AutoChoice) -> str:
     """One line: each candidate's held-out KL and seconds."""
-    return ", ".join(f"{c.method} KL {_kl(c.kl_mean)} in {c.quantize_s + c.score_s:.1f} s" for c in choice.candidates)
-
-
-def _kl(v) -> str:
-    return "n/a" if v is None else f"{v:.5f}"
+    return ", ".join(f"{c.method} KL {modelcard.score_text(c.kl_mean)} in {c.quantize_s + c.score_s:.1f} s"
+                     for c in choice.candidates)

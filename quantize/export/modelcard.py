@@ -212,7 +212,6 @@ def _auto(m: Manifest) -> list[str]:
 def auto_section(a: AutoChoice) -> list[str]:
     """`method: auto`'s choice as markdown (the card's and report.md's): each candidate's held-out KL and seconds."""
     h = a.holdout
-    kl = lambda v: "n/a" if v is None else f"{v:.5f}"  # noqa: E731
     return ["## Method chosen by auto", "",
             f"The recipe asked for `method: auto`: each candidate was quantized in one shared pass on the calibration "
             f"samples, then scored by its mean next-token KL(FP16 || candidate) on {h.get('n_samples')} held-out "
@@ -222,9 +221,14 @@ def auto_section(a: AutoChoice) -> list[str]:
             f"the FP16 reference {a.reference_s:.1f} s, scoring each candidate the rest.", "",
             "| candidate | format | held-out KL (nats) | top-1 | its share of the pass (s) | score (s) |",
             "|---|---|---:|---:|---:|---:|",
-            *[f"| {c.method}{' (chosen)' if c.method == a.chosen else ''} | {c.format} | {kl(c.kl_mean)} | "
-              f"{kl(c.top1)} | {c.quantize_s:.1f} | {c.score_s:.1f} |" for c in a.candidates],
+            *[f"| {c.method}{' (chosen)' if c.method == a.chosen else ''} | {c.format} | {score_text(c.kl_mean)} | "
+              f"{score_text(c.top1)} | {c.quantize_s:.1f} | {c.score_s:.1f} |" for c in a.candidates],
             *[f"- {n}: not a candidate ({why})" for n, why in a.left_out.items()], ""]
+
+
+def score_text(v) -> str:
+    """A candidate's held-out figure as the card, report and log show it; "n/a" where it has none."""
+    return "n/a" if v is None else f"{v:.5f}"
 
 
 def _mixed(m: Manifest) -> list[str]:
