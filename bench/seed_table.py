@@ -1,6 +1,6 @@
 """The serving table of the vLLM tuning article this project started from, with our artifacts, on one CUDA GPU.
 
-    python bench/seed_table.py --fp16 CKPT --awq ART --gptq ART [--awq-g64 ART] --out DIR [--budget-gb 38]
+    python bench/seed_table.py --fp16 CKPT --awq ART --gptq ART [--awq-g64 ART] --out DIR [--budget-gb 38] [--resume]
 
 Rows (each its own vLLM server, started and stopped in turn, then measured by vLLM's own serving benchmark under
 the article's load: concurrency 32, 128 requests, 256 streamed output tokens, EOS ignored):
@@ -95,6 +95,7 @@ def main() -> int:
     ap.add_argument("--budget-gb", type=float, default=38.0)
     ap.add_argument("--whole-gpu", action="store_true", help="the same rows again at vLLM's default utilization")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--resume", action="store_true", help="keep the rows an earlier run into --out measured")
     a = ap.parse_args()
     total = torch.cuda.get_device_properties(0).total_memory
     util = round(a.budget_gb * 1e9 / total, 3)
@@ -113,11 +114,16 @@ def main() -> int:
           f"Load: vLLM's serving benchmark, random prompts of {LOAD['input_len']} tokens, {LOAD['num_prompts']} "
           f"requests at concurrency {LOAD['concurrency']}, {LOAD['output_len']} output tokens each, EOS ignored, "
           f"streamed. Weights: random init of the Qwen2.5-7B shape (speed only)."]
+    done = {}  # --resume: the rows a cut-off run of the same table measured, kept rather than measured again
+    if a.resume and (a.out / "seed-table.json").is_file():
+        done = {r["label"]: r for rows in json.loads((a.out / "seed-table.json").read_text())["budgets"].values()
+                for r in rows if not r.get("error")}
     with tempfile.TemporaryDirectory(prefix="seed-table-") as w:
         for budget, extra in budgets:
             rows = result["budgets"].setdefault(budget, [])
             for label, model, flags in settings:  # the record is rewritten after each row: a cut-off run keeps its rows
-                rows.append(row(f"{label} ({budget})", model, {**common, **flags, **extra}, Path(w), total))
+                name = f"{label} ({budget})"
+                rows.append(done.get(name) or row(name, model, {**common, **flags, **extra}, Path(w), total))
                 (a.out / "seed-table.json").write_text(json.dumps(result, indent=1) + "\n")
             md += ["", f"## {budget}" + (f" (gpu_memory_utilization {util})" if extra else ""), "",
                    table(rows, rows[0])]
