@@ -40,10 +40,12 @@ DEVICE = "cuda"
 
 
 def combos(groups) -> list[tuple]:
-    """(format, group, symmetric, act_order): what a recipe can ask for; vLLM's answer decides which load."""
+    """(format, group, symmetric, act_order): what a recipe can ask for; vLLM's answer decides which load. "mixed"
+    is a `mixed:` recipe (AWQ, compressed-tensors) based at the shape's coarsest size with every finer one allowed."""
     return [(fmt, g, sym, act) for fmt in ("awq", "gptq", "compressed-tensors") for g in groups
             for sym in (True, False) for act in (False, True)
-            if not (fmt == "awq" and (sym or act))]  # the AWQ GEMM layout always has zero points and no act-order
+            if not (fmt == "awq" and (sym or act))] + [  # the AWQ GEMM layout always has zero points, no act-order
+        ("mixed", max(groups), False, False)]
 
 
 CASES = [(shape, *c) for shape, (groups, _) in SHAPES.items() for c in combos(groups)]
@@ -57,6 +59,11 @@ def _recipe(tmp: Path, model: Path, dtype: str, fmt: str, g: int, sym: bool, act
     name = _name(fmt, g, sym, act)
     if fmt == "awq":
         return tiny_recipe(tmp, model, name=name, q_group_size=g, device=DEVICE, dtype=dtype)
+    if fmt == "mixed":  # the issue's budget: the base size's bits per weight (16-bit scale, 4-bit zero) + 0.10
+        finer = [s for s in (64, 32) if s < g]
+        return tiny_recipe(tmp, model, name=name, q_group_size=g, format="compressed-tensors", device=DEVICE,
+                           dtype=dtype, mixed=dict(base_group=g, budget_bits_per_weight=4 + 20 / g + 0.10,
+                                                   finer=finer))
     return tiny_recipe(tmp, model, name=name, method="gptq", format=fmt, q_group_size=g, zero_point=not sym,
                        gptq=dict(act_order=act), device=DEVICE, dtype=dtype)
 
