@@ -10,7 +10,7 @@ output error e (`methods/output_error.py`). After the pass (`settle`):
     bits per weight = Σ bytes the quantized linears store x 8 / Σ their weights   (compare's "bits / weight";
                       each linear's bytes from its format: `Format.linear_bytes`)
     unit            = the linears vLLM loads as one module (q/k/v, gate/up) or one linear: one size for all
-    start           every unit at base_group
+    start           every unit at the coarsest size (base_group, or the coarsest of mixed.coarser)
     repeat          among the moves of a unit to a finer size whose extra bits still fit the budget, take the one
                     that lowers Σ e of the unit's linears most per extra bit; stop when none fits or lowers it
 
@@ -43,13 +43,14 @@ class Unit:
 
 
 def choose(units: list[Unit], sizes: tuple[int, ...], weights: int, budget: float) -> list[int]:
-    """units, sizes (base first, then finer ones coarsest first), weights (every quantized weight), budget (bits
+    """units, sizes (coarsest to finest: `MixedOptions.ladder`), weights (every quantized weight), budget (bits
     per weight) -> the group size of each unit: the greedy knapsack of the module docstring."""
     allowed = budget * weights
     chosen = [sizes[0]] * len(units)
     spent = sum(u.bits[sizes[0]] for u in units)
     if spent > allowed:
-        raise ValueError(f"the base size alone stores {spent / weights:.4f} bits per weight, above the budget {budget}")
+        raise ValueError(f"the coarsest size alone stores {spent / weights:.4f} bits per weight, above the budget "
+                         f"{budget}")
     while True:
         best = None  # (error lowered per bit, unit index, size, extra bits)
         for k, u in enumerate(units):
@@ -137,7 +138,7 @@ class MixedJob(Job):
                                   {g: sum(by_size[g].errors[i][n] for n in names) for g in opts.sizes}))
                 where.append((i, names))
         weights = sum(res.codes.numel() for res in base.results.values())
-        chosen = choose(units, opts.sizes, weights, opts.budget_bits_per_weight)
+        chosen = choose(units, opts.ladder, weights, opts.budget_bits_per_weight)
         self._take(by_size, units, where, chosen, weights)
 
     def _take(self, by_size: dict, units: list[Unit], where: list, chosen: list[int], weights: int) -> None:
@@ -153,7 +154,7 @@ class MixedJob(Job):
                 groups.setdefault(str(i), {})[n] = g
         spent = sum(u.bits[g] for u, g in zip(units, chosen))
         self.mixed = {
-            "base_group": opts.base_group, "finer": list(opts.finer),
+            "base_group": opts.base_group, "finer": list(opts.finer), "coarser": list(opts.coarser),
             "budget_bits_per_weight": opts.budget_bits_per_weight,
             "bits_per_weight": round(spent / weights, 6),
             "bits_per_weight_at": {str(g): round(sum(u.bits[g] for u in units) / weights, 6) for g in opts.sizes},

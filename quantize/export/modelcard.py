@@ -236,9 +236,11 @@ def _mixed(m: Manifest) -> list[str]:
     x = m.mixed
     if x is None:
         return []
-    sizes = [x.base_group, *x.finer]
+    sizes = [x.base_group, *x.finer, *x.coarser]
+    start = x.coarser[0] if x.coarser else x.base_group  # coarsest first
+    named = ", ".join("-1 (per channel)" if g == -1 else str(g) for g in sizes)
     return ["## Mixed group sizes", "",
-            f"Every linear was quantized at group sizes {', '.join(map(str, sizes))}; starting from {x.base_group}, "
+            f"Every linear was quantized at group sizes {named}; starting from {start}, "
             f"the modules (q/k/v and gate/up as one each) whose summed relative output error a finer size lowers most "
             f"per extra stored bit took it, within {x.budget_bits_per_weight} bits per weight of the quantized "
             f"linears: {x.bits_per_weight:.4f} reached. Each linear's size and its error at every size are in "

@@ -134,7 +134,8 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
     split_experts(meta, arch)
     fmt, g = formats.get(recipe.out_format), recipe.q_group_size
     others = {**methods.get(recipe.method).group_sizes(recipe),
-              **{f"mixed.finer {x}": x for x in (recipe.mixed.finer if recipe.mixed else ())}}
+              **{f"mixed.finer {x}": x for x in (recipe.mixed.finer if recipe.mixed else ())},
+              **{f"mixed.coarser {x}": x for x in (recipe.mixed.coarser if recipe.mixed else ()) if x != -1}}
     out, problems, shapes = Plan(), [], []
     linears, fused_sets, row_parallel = _layer_linears(config, arch)
     moe_routed = {n for n in linears if arch.experts is not None and n.startswith(f"{arch.experts.module}.")}
@@ -204,8 +205,9 @@ def plan(config, arch: Arch, recipe: Recipe, is_skipped) -> Plan:
 
 
 def mixed_problems(recipe: Recipe, arch: Arch, layers: list[LayerCheck]) -> list[str]:
-    """What a `mixed:` block cannot do on this model: its budget below what the base size stores on these shapes
-    exactly (the recipe check knows no shapes), or a mixture of experts (vLLM's fused MoE layer reads one scheme)."""
+    """What a `mixed:` block cannot do on this model: its budget below what the coarsest size (where every linear
+    starts) stores on these shapes exactly (the recipe check knows no shapes), or a mixture of experts (vLLM's
+    fused MoE layer reads one scheme)."""
     m = recipe.mixed
     if m is None:
         return []
@@ -213,12 +215,15 @@ def mixed_problems(recipe: Recipe, arch: Arch, layers: list[LayerCheck]) -> list
         return ["mixed group sizes are not supported for mixtures of experts (vLLM builds each layer's experts as one "
                 "fused module with one scheme); remove `mixed:`"]
     fmt, weights = formats.get(recipe.out_format), sum(lc.in_features * lc.out_features for lc in layers)
-    stored = sum(fmt.linear_bytes(lc.out_features, lc.in_features, m.base_group, recipe.w_bit, recipe.symmetric)
+    start = m.ladder[0]
+    stored = sum(fmt.linear_bytes(lc.out_features, lc.in_features, start, recipe.w_bit, recipe.symmetric)
                  for lc in layers)
-    base = 8 * stored / weights if weights else 0.0
-    if m.budget_bits_per_weight < base:
-        return [f"mixed.budget_bits_per_weight {m.budget_bits_per_weight} is below the {base:.4f} bits per weight "
-                f"this model's linears store at base_group {m.base_group}; set at least {base:.4f}"]
+    low = 8 * stored / weights if weights else 0.0
+    if m.budget_bits_per_weight < low:
+        where = f"base_group {start}" if start == m.base_group else f"the coarsest size {start}"
+        return [f"mixed.budget_bits_per_weight {m.budget_bits_per_weight} is below the {low:.4f} bits per weight "
+                f"this model's linears store at {where}; set at least {low:.4f}"
+                + ("" if m.coarser else ", or list a coarser size under mixed.coarser")]
     return []
 
 
@@ -328,7 +333,7 @@ def estimate_tensor_bytes(meta, convert: set[str], recipe: Recipe, tied: bool) -
     lm_head is not written.
     """
     item = torch.empty((), dtype=getattr(torch, recipe.dtype)).element_size()
-    bits, g = recipe.w_bit, min(recipe.mixed.sizes) if recipe.mixed else recipe.q_group_size  # mixed: at most
+    bits, g = recipe.w_bit, recipe.mixed.ladder[-1] if recipe.mixed else recipe.q_group_size  # mixed: at most
     index_bytes = formats.get(recipe.out_format).index_bytes_per_input
     total = 0
     for name, t in meta.state_dict().items():

@@ -17,8 +17,8 @@ def _target_cells(recipe) -> list[tuple[str, int, str]]:
 def target_problem(table: Table, recipe, modules: list[dict], role: str = "",
                    finer: tuple[int, ...] = ()) -> str | None:
     """The first serve.target the table does not serve on a Marlin-class kernel -> one line naming the fix.
-    role: "base" or "finer" where the table is of one of a `mixed:` recipe's sizes (recipe: its `per_size` copy;
-    finer: the mix's finer sizes)."""
+    role: "base", "finer" or "coarser" where the table is of one of a `mixed:` recipe's sizes (recipe: its
+    `per_size` copy; finer: the mix's finer sizes)."""
     for cap, tp, dtype in _target_cells(recipe):
         c = table.cell(cap, tp, dtype)
         if c.verdict == MARLIN:
@@ -26,7 +26,8 @@ def target_problem(table: Table, recipe, modules: list[dict], role: str = "",
         what = (f"refuses it ({c.reason})" if c.verdict == REFUSED else
                 f"runs {c.slowest}, slower than its Marlin-class kernels")
         g, found = recipe.q_group_size, fixes(recipe, modules, cap, tp, dtype)
-        fix = f"remove {g} from mixed.finer" if role == "finer" else f"set {found or 'a different target'}"
+        fix = f"remove {g} from mixed.{role}" if role in ("finer", "coarser") else \
+            f"set {found or 'a different target'}"
         if role == "base":
             fix = _base_fix(found, finer)
         return (f"serve.targets: {f'mixed group size {g}: ' if role else ''}compute capability {cap} at "
@@ -56,11 +57,13 @@ def _base_fix(found: str, finer: tuple[int, ...]) -> str:
 
 def per_size(recipe) -> list[tuple[object, str]]:
     """The recipe as each group size it writes, for the deployability table: [(recipe at that size, role)]: itself
-    (role ""), or for a `mixed:` recipe the base size ("base") and each finer size it may give a linear ("finer")."""
+    (role ""), or for a `mixed:` recipe the base size ("base") and each finer or coarser size it may give a linear
+    ("finer", "coarser")."""
     if recipe.mixed is None:
         return [(recipe, "")]
+    m = recipe.mixed
     return [(recipe.model_copy(update={"q_group_size": g, "mixed": None}),
-             "base" if g == recipe.mixed.base_group else "finer") for g in recipe.mixed.sizes]
+             "base" if g == m.base_group else "finer" if g in m.finer else "coarser") for g in m.sizes]
 
 
 def _serves(fmt: str, group: int, symmetric: bool, bits: int, modules, cap: str, tp: int, dtype: str) -> bool:

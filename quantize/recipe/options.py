@@ -48,26 +48,40 @@ class MoeOptions(Strict):
 
 class MixedOptions(Strict):
     """A budgeted mixed group size (docs/METHODS.md, "Mixed group sizes under a budget"): every converted linear is
-    quantized at base_group and at each finer size in one pass; then, from every linear at base_group, the
-    linears whose relative output error a finer size lowers most per extra stored bit move to it, while the
-    quantized linears' bits per weight (what comparisons call "bits / weight") stay within the budget. Linears
-    vLLM fuses (q/k/v, gate/up) move together. Written as compressed-tensors, one config group per size."""
+    quantized at base_group and at each finer and coarser size in one pass; then, from every linear at the
+    coarsest size (base_group where no coarser one is listed), the linears whose relative output error a finer
+    size lowers most per extra stored bit move to it, while the quantized linears' bits per weight (what
+    comparisons call "bits / weight") stay within the budget. Linears vLLM fuses (q/k/v, gate/up) move together.
+    Written as compressed-tensors, one config group per size."""
 
     base_group: Literal[32, 64, 128]  # must equal q_group_size
     budget_bits_per_weight: float = Field(gt=0)
     finer: tuple[Literal[32, 64], ...] = Field(min_length=1)  # each below base_group
+    # each above base_group (-1 = one group per output channel): sizes a linear may fall back to where the budget
+    # is below what base_group stores everywhere, so that the budget goes where a finer size pays most
+    coarser: tuple[Literal[-1, 64, 128], ...] = ()
 
-    @field_validator("finer")
+    @field_validator("finer", "coarser")
     @classmethod
-    def _distinct(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+    def _distinct(cls, v: tuple[int, ...], info) -> tuple[int, ...]:
         if len(set(v)) != len(v):
-            raise ValueError(f"mixed.finer {list(v)} lists a size twice")
-        return tuple(sorted(v, reverse=True))
+            raise ValueError(f"mixed.{info.field_name} {list(v)} lists a size twice")
+        return tuple(sorted(v, key=coarseness, reverse=True))
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        """Every group size a linear may get, base first, then finer ones coarsest first."""
-        return (self.base_group, *self.finer)
+        """Every group size a linear may get: base first, then finer ones coarsest first, then coarser ones."""
+        return (self.base_group, *self.finer, *self.coarser)
+
+    @property
+    def ladder(self) -> tuple[int, ...]:
+        """Every group size a linear may get, coarsest (where each linear starts) to finest."""
+        return tuple(sorted(self.sizes, key=coarseness, reverse=True))
+
+
+def coarseness(group: int) -> float:
+    """Columns per group, for ordering sizes: -1 (one group per output channel) is coarser than any size."""
+    return float("inf") if group == -1 else group
 
 
 class AutoOptions(Strict):

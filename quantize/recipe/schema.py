@@ -12,7 +12,7 @@ from ..errors import did_you_mean
 from ..methods.awq import AwqOptions
 from ..methods.gptq import GptqOptions
 from .options import (AUTO, GROUP_SIZES, Advanced, AutoOptions, Calibration, EvalOptions, MixedOptions, MoeOptions,
-                      ServeOptions, Strict)
+                      ServeOptions, Strict, coarseness)
 
 
 class Recipe(Strict):
@@ -205,12 +205,33 @@ class Recipe(Strict):
             able = [n for n in methods.names() if methods.get(n).measures_output_error]
             return (f"mixed: method {self.method} does not measure each linear's output error, which the choice of "
                     f"sizes ranks by; use method {' or '.join(able)}")
-        base = fmt.bits_per_weight(m.base_group, self.w_bit, self.symmetric)
-        finest = fmt.bits_per_weight(min(m.finer), self.w_bit, self.symmetric)
-        if m.budget_bits_per_weight < base:
-            return (f"mixed.budget_bits_per_weight {m.budget_bits_per_weight} is below the {base:.4f} bits per weight "
-                    f"every linear at base_group {m.base_group} stores; set at least {base:.4f} (g{min(m.finer)} "
-                    f"everywhere stores {finest:.4f})")
+        return self._mixed_coarser_problem() or self._mixed_budget_problem()
+
+    def _mixed_coarser_problem(self) -> str | None:
+        """mixed.coarser sizes that are not coarser than the base, or that the method cannot quantize at."""
+        m, method = self.mixed, methods.get(self.method)
+        fine = [g for g in m.coarser if coarseness(g) <= m.base_group]
+        if fine:
+            return (f"mixed.coarser {list(m.coarser)}: {fine[0]} is not coarser than base_group {m.base_group}; list "
+                    f"sizes above it ({', '.join(str(g) for g in (128, -1) if coarseness(g) > m.base_group)}; "
+                    f"-1 = per channel)")
+        for g in m.coarser:
+            problem = method.problem(method.at_group_size(self, g))
+            if problem:
+                return f"mixed.coarser {g}: {problem}; or remove {g} from mixed.coarser"
+        return None
+
+    def _mixed_budget_problem(self) -> str | None:
+        """A budget below what every linear stores at the coarsest size (where each starts), for a large linear."""
+        m, fmt = self.mixed, formats.get(self.out_format)
+        start, finest = m.ladder[0], m.ladder[-1]
+        low = fmt.bits_per_weight(start, self.w_bit, self.symmetric)
+        top = fmt.bits_per_weight(finest, self.w_bit, self.symmetric)
+        if m.budget_bits_per_weight < low:
+            where = f"base_group {start}" if start == m.base_group else f"the coarsest size {start}"
+            return (f"mixed.budget_bits_per_weight {m.budget_bits_per_weight} is below the {low:.4f} bits per weight "
+                    f"every linear at {where} stores; set at least {low:.4f} (g{finest} everywhere stores "
+                    f"{top:.4f})" + ("" if m.coarser else ", or list a coarser size under mixed.coarser"))
         return None
 
     def method_options(self, name: str) -> Any:

@@ -78,6 +78,7 @@ class Mixed(Record):
     base_group: int
     finer: list[int]
     budget_bits_per_weight: Num
+    coarser: list[int] = []  # sizes above the base a linear may fall back to (-1 = per channel); [] where none
     bits_per_weight: Num  # reached: bytes of the quantized linears x 8 / their weights, as compare measures it
     bits_per_weight_at: dict[str, Num]  # group size -> the same with every linear at that size
     weights: int  # quantized weights
@@ -204,10 +205,13 @@ class Manifest(Record):
         return [k for k in super().undeclared(where) if k != f"{where}{self.stats_key}"]
 
     def group_text(self) -> str:
-        """The group size its linears got: the recipe's, or for a mixed artifact each size used, e.g. "64+32"."""
+        """The group size its linears got: the recipe's, or for a mixed artifact each size used, e.g. "64+32" or
+        "64+32+channel" (-1, one group per output channel)."""
         if self.mixed is None:
             return str(self.recipe.q_group_size)
-        return "+".join(str(g) for g in [self.mixed.base_group, *self.mixed.finer] if self.mixed.linears.get(str(g)))
+        x = self.mixed
+        return "+".join("channel" if g == -1 else str(g) for g in [x.base_group, *x.finer, *x.coarser]
+                        if x.linears.get(str(g)))
 
     def expert_layers(self) -> list[tuple[int, Experts]]:
         """[(layer index, its routing record)] in layer order; [] for a dense model."""
