@@ -1,14 +1,19 @@
-"""The shipped HellaSwag task: the bundled file is the whole validation set, and its documents are what lm-eval's
-own `hellaswag` preprocessing makes of the original records."""
+"""The shipped HellaSwag task: the bundled file is the whole validation set, its documents are what lm-eval's own
+`hellaswag` preprocessing makes of the original records, subsets are fixed, and the paired stderr of a Δ is the
+spread of per-document differences."""
 
 from __future__ import annotations
 
 import bz2
 import hashlib
+import re
 
 import pytest
 
+from eval import lmeval
 from eval.tasks import hellaswag
+from quantize.recipe import RecipeError, load_recipe
+from tests.unit.test_recipe import BASE, write_recipe
 
 
 def test_the_file_is_hellaswag_validation_whole():
@@ -72,3 +77,44 @@ def test_documents_match_lm_evals_own_hellaswag_preprocessing(rec):
     got = hellaswag.to_lm_eval({"label_ctx": line, "label": rec["label"],
                                 "endings": [_file_side(e) for e in rec["endings"]]})
     assert got == {"query": want["query"], "choices": want["choices"], "gold": want["gold"]}
+
+
+def test_a_subset_is_fixed_spread_and_refused_when_too_large():
+    idx = lmeval.subset_indices(10042, 1200)
+    assert idx == lmeval.subset_indices(10042, 1200) and len(set(idx)) == 1200 and idx == sorted(idx)
+    assert idx[0] == 0 and idx[-1] >= 10042 - 10042 // 1200 - 1  # reaches the end: both halves of the set
+
+    class Task:
+        eval_docs = list(range(10))
+
+    assert lmeval.subset_samples({"t": Task()}, 4) == {"t": [0, 2, 5, 7]}
+    assert lmeval.subset_samples({"t": Task()}, None) is None
+    with pytest.raises(RecipeError, match="subset 11 is more than the 10 documents of task t; use at most 10"):
+        lmeval.subset_samples({"t": Task()}, 11)
+
+
+def test_recipe_subset_and_limit_are_one_or_the_other(tmp_path):
+    p = write_recipe(tmp_path / "r.yaml", **BASE, eval={"lm_eval": {"tasks": ["hellaswag_local"], "subset": 5,
+                                                                    "limit": 5}})
+    with pytest.raises(RecipeError, match=re.escape("both limit (5) and subset (5); keep one")):
+        load_recipe(p)
+    p = write_recipe(tmp_path / "r.yaml", **BASE, eval={"lm_eval": {"tasks": ["hellaswag_local"], "subset": 0}})
+    with pytest.raises(RecipeError, match="eval.lm_eval.subset"):
+        load_recipe(p)
+
+
+def test_paired_stderr_is_the_spread_of_per_document_differences():
+    # d = [0, +1, -1, 0, 0]: mean 0, sample sd sqrt(2 / 4), stderr sd / sqrt(5)
+    p = lmeval.paired_difference([1, 0, 1, 1, 0], [1, 1, 0, 1, 0])
+    assert p["delta"] == 0 and p["n"] == 5 and p["stderr"] == pytest.approx(0.5 ** 0.5 / 5 ** 0.5)
+    assert p["distinguishable"] is False
+    # d = [1, 1, 1, 0]: mean 0.75, sd 0.5, stderr 0.25; 0.75 > 1.96 * 0.25
+    p = lmeval.paired_difference([0, 0, 0, 0], [1, 1, 1, 0])
+    assert (p["delta"], p["stderr"], p["distinguishable"]) == (0.75, pytest.approx(0.25), True)
+
+
+def test_paired_pairs_the_same_documents_only():
+    ref = {"outcomes": {"t": {"doc_id": [0, 5], "acc_norm": [1, 0]}}}
+    q = {"outcomes": {"t": {"doc_id": [0, 5], "acc_norm": [1, 1]}}}
+    assert lmeval.paired(ref, q)["t"]["acc_norm"]["delta"] == 0.5
+    assert lmeval.paired(ref, {"outcomes": {"t": {"doc_id": [0, 6], "acc_norm": [1, 1]}}}) == {}
