@@ -45,8 +45,8 @@ def main() -> None:
     args = ap.parse_args()
     rep = Report.model_validate_json((args.artifact / "report.json").read_text())
     t = rep.eval_timings_s or {}
-    record = {"date": rep.date, "machine": machine(Path("/proc/cpuinfo").read_text()), "report_machine": rep.machine, "command": args.command,
-              "artifact": str(args.artifact), "base_model": rep.base_model, "tasks": rep.lm_eval.tasks,
+    record = {"date": rep.date, "machine": machine(Path("/proc/cpuinfo").read_text()), "report_machine": rep.machine,
+              "command": args.command, "artifact": str(args.artifact), "base_model": rep.base_model, "tasks": rep.lm_eval.tasks,
               "subset": rep.lm_eval.subset, "limit": rep.lm_eval.limit, "scored_on": rep.scored_on.device,
               "dtype": rep.scored_on.dtype, "reference_cached": rep.lm_eval.reference.cached,
               "seconds": {"fp16": t.get("lm_eval_reference"), "quantized": t.get("lm_eval_quantized")},

@@ -4,9 +4,11 @@
 `eval.artifact`) through lm-eval's Python API (its HFLM wrapper around the preloaded model): no second load and
 no vLLM needed, so it runs wherever eval runs. `run_vllm` scores the artifact through lm-eval's vLLM backend in a
 child process, where vLLM can serve 4-bit weights: the real kernels. The project ships tasks that need no network
-(`eval/tasks/`, e.g. `wikitext_continuation` over the bundled WikiText-2 text); any other lm-eval task is loaded
-only when its data can be reached: with HF_HUB_OFFLINE=1, or a hub that does not answer a 2 s probe, the task
-gets one line saying why instead (the hub is never retried).
+(`eval/tasks/`: `hellaswag_local` over the bundled HellaSwag validation set, `wikitext_continuation` over the
+bundled WikiText-2 text); any other lm-eval task is loaded only when its data can be reached: with
+HF_HUB_OFFLINE=1, or a hub that does not answer a 2 s probe, the task gets one line saying why instead (the hub
+is never retried). A recipe's `subset` picks the same documents for every model (`subset_samples`), and
+`paired` turns both models' per-document outcomes into each Δ's paired stderr.
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ class VllmSmokeOptions(Strict):
 
 class LmEvalOptions(Strict):
     """lm-evaluation-harness tasks, scored on both models in the eval stage (eval/lmeval.py). Shipped tasks
-    (eval/tasks/, e.g. wikitext_continuation) need no network; any other lm-eval task needs its data."""
+    (eval/tasks/: hellaswag_local, wikitext_continuation) need no network; any other lm-eval task needs its data."""
 
     tasks: tuple[str, ...] = ()
     limit: int | None = Field(None, gt=0)  # the first documents of each task (None = all)
