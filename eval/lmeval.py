@@ -4,9 +4,11 @@
 `eval.artifact`) through lm-eval's Python API (its HFLM wrapper around the preloaded model): no second load and
 no vLLM needed, so it runs wherever eval runs. `run_vllm` scores the artifact through lm-eval's vLLM backend in a
 child process, where vLLM can serve 4-bit weights: the real kernels. The project ships tasks that need no network
-(`eval/tasks/`, e.g. `wikitext_continuation` over the bundled WikiText-2 text); any other lm-eval task is loaded
-only when its data can be reached: with HF_HUB_OFFLINE=1, or a hub that does not answer a 2 s probe, the task
-gets one line saying why instead (the hub is never retried).
+(`eval/tasks/`: `hellaswag_local` over the bundled HellaSwag validation set, `wikitext_continuation` over the
+bundled WikiText-2 text); any other lm-eval task is loaded only when its data can be reached: with
+HF_HUB_OFFLINE=1, or a hub that does not answer a 2 s probe, the task gets one line saying why instead (the hub
+is never retried). A recipe's `subset` picks the same documents for every model (`subset_samples`), and
+`paired` turns both models' per-document outcomes into each Δ's paired stderr.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from quantize.recipe.options import RecipeError
 from quantize.source.load import hub_offline
 
 log = logging.getLogger(__name__)
@@ -86,6 +89,25 @@ def load_tasks(tasks: tuple[str, ...]) -> tuple[dict, dict[str, str]]:
     return loaded, skipped
 
 
+def subset_indices(n_docs: int, subset: int) -> list[int]:
+    """A task's n_docs documents -> the indices of `subset` of them spread evenly over it: i * n_docs // subset."""
+    return [i * n_docs // subset for i in range(subset)]
+
+
+def subset_samples(task_dict: dict, subset: int | None) -> dict[str, list[int]] | None:
+    """The loaded tasks -> lm-eval's `samples` ({task: document indices}) for the recipe's subset; None = all."""
+    if subset is None:
+        return None
+    out = {}
+    for name, task in task_dict.items():
+        n = len(task.eval_docs)
+        if subset > n:
+            raise RecipeError(f"eval.lm_eval.subset {subset} is more than the {n} documents of task {name}; "
+                              f"use at most {n}, or leave subset out to score every document")
+        out[name] = subset_indices(n, subset)
+    return out
+
+
 def _scores(results: dict) -> dict[str, dict[str, float]]:
     """lm-eval's results -> {task: {metric: value}} (its "acc,none" keys as "acc"), numbers only."""
     out = {}
@@ -95,15 +117,30 @@ def _scores(results: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-def run_on_model(model, tokenizer, task_dict: dict, limit: int | None, batch_size: int) -> dict:
-    """lm-eval's evaluator on a transformers model already on its device -> {task: {metric: value}, seconds}."""
+def _outcomes(results: dict) -> dict[str, dict[str, list]]:
+    """lm-eval's per-document log -> {task: {"doc_id": [...], metric: [per-document value]}}, in doc_id order:
+    what the paired difference of two models is computed from."""
+    out = {}
+    for task, logged in (results.get("samples") or {}).items():
+        rows = sorted(logged, key=lambda r: r["doc_id"])
+        metrics = rows[0]["metrics"] if rows else []
+        out[task] = {"doc_id": [r["doc_id"] for r in rows], **{m: [r[m] for r in rows] for m in metrics}}
+    return out
+
+
+def run_on_model(model, tokenizer, task_dict: dict, limit: int | None, batch_size: int,
+                 samples: dict[str, list[int]] | None = None) -> dict:
+    """lm-eval's evaluator on a transformers model already on its device -> {scores {task: {metric: value}},
+    outcomes {task: per-document values}, seconds}. samples: {task: document indices} (`subset_samples`)."""
     from lm_eval.evaluator import evaluate
     from lm_eval.models.huggingface import HFLM
 
     t0 = time.perf_counter()
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    results = evaluate(lm, task_dict, limit=limit, bootstrap_iters=0, verbosity="ERROR")
-    return {"scores": _scores(results), "seconds": round(time.perf_counter() - t0, 2)}
+    results = evaluate(lm, task_dict, limit=limit, samples=samples, bootstrap_iters=0, log_samples=True,
+                       verbosity="ERROR")
+    return {"scores": _scores(results), "outcomes": _outcomes(results),
+            "seconds": round(time.perf_counter() - t0, 2)}
 
 
 # The child's entry: lm-eval's command line, after one fix. lm-eval's vLLM backend asks importlib.metadata for the
@@ -145,7 +182,8 @@ shut_down(*(o for o in gc.get_objects() if isinstance(o, LLM)))
 """
 
 
-def run_vllm(artifact: Path, tasks: list[str], limit: int | None, dtype: str, timeout_s: int) -> dict:
+def run_vllm(artifact: Path, tasks: list[str], limit: int | None, dtype: str, timeout_s: int,
+             samples: dict[str, list[int]] | None = None) -> dict:
     """lm-eval's vLLM backend on the artifact in a child process (the real 4-bit kernels), with the environment
     and memory share the smoke's vLLM child gets -> scores, or the error."""
     from . import child
@@ -157,6 +195,7 @@ def run_vllm(artifact: Path, tasks: list[str], limit: int | None, dtype: str, ti
         cmd = [sys.executable, "-c", _LAUNCH, "run", "--model", "vllm", "--model_args", args,
                "--tasks", ",".join(tasks), "--include_path", str(TASKS_DIR), "--output_path", work]
         cmd += ["--limit", str(limit)] if limit else []
+        cmd += ["--samples", json.dumps(samples)] if samples else []
         t0 = time.perf_counter()
         try:
             # this project's root first on the path: the child imports eval.child from whatever directory it runs in
@@ -195,3 +234,27 @@ def difference(reference: dict, quantized: dict) -> dict[str, dict[str, float]]:
         ref = (reference.get("scores") or {}).get(task, {})
         out[task] = {m: v - ref[m] for m, v in metrics.items() if isinstance(ref.get(m), (int, float))}
     return out
+
+
+def paired(reference: dict, quantized: dict) -> dict[str, dict[str, dict]]:
+    """{task: {metric: {delta, stderr, n, distinguishable}}} from both models' per-document outcomes on the same
+    documents: d_i = quantized_i - reference_i, delta = mean(d), stderr = sd(d) / sqrt(n) (sd with n - 1), and
+    distinguishable = |delta| > 1.96 stderr. Pairing removes the documents both models find easy or hard, so this
+    stderr is far below either score's own."""
+    out = {}
+    for task, q in (quantized.get("outcomes") or {}).items():
+        r = (reference.get("outcomes") or {}).get(task)
+        if not r or r["doc_id"] != q["doc_id"]:
+            continue
+        out[task] = {m: paired_difference(r[m], q[m]) for m in q if m != "doc_id" and m in r}
+    return out
+
+
+def paired_difference(reference: list[float], quantized: list[float]) -> dict:
+    """Per-document outcomes of two models on the same documents -> {delta, stderr, n, distinguishable}."""
+    d = [b - a for a, b in zip(reference, quantized, strict=True)]
+    n = len(d)
+    delta = sum(d) / n
+    sd = (sum((x - delta) ** 2 for x in d) / (n - 1)) ** 0.5 if n > 1 else float("nan")
+    stderr = sd / n ** 0.5
+    return {"delta": delta, "stderr": stderr, "n": n, "distinguishable": bool(abs(delta) > 1.96 * stderr)}

@@ -43,7 +43,8 @@ def _lm_eval_tasks(opts) -> dict | None:
         return {"skipped": why}
     t0 = time.perf_counter()
     loaded, not_run = lmeval.load_tasks(tuple(opts.tasks))
-    return {"tasks": loaded, "not_run": not_run, "load_s": round(time.perf_counter() - t0, 2)}
+    return {"tasks": loaded, "not_run": not_run, "load_s": round(time.perf_counter() - t0, 2),
+            "samples": lmeval.subset_samples(loaded, opts.subset)}
 
 
 def _lm_eval_reference(plan: dict | None, opts, key: dict, load_reference, tokenizer, batch: int,
@@ -52,11 +53,13 @@ def _lm_eval_reference(plan: dict | None, opts, key: dict, load_reference, token
     the reference model (loaded only if the perplexity pass did not load it already)."""
     if not plan or not plan.get("tasks"):
         return None
-    spec = {"tasks": sorted(plan["tasks"]), "limit": opts.limit}
+    # a task's documents change only with its version (eval/tasks/*.yaml metadata), which keys the cache too
+    spec = {"tasks": sorted(plan["tasks"]), "limit": opts.limit, "subset": opts.subset,
+            "versions": {t: (task.config.metadata or {}).get("version") for t, task in sorted(plan["tasks"].items())}}
     cached = refcache.lookup_extra(key, "lm_eval", spec)
     if cached is not None:
         return {**cached, "cached": True}
-    res = lmeval.run_on_model(load_reference(), tokenizer, plan["tasks"], opts.limit, batch)
+    res = lmeval.run_on_model(load_reference(), tokenizer, plan["tasks"], opts.limit, batch, plan["samples"])
     timings["lm_eval_reference"] = res["seconds"]
     refcache.store_extra(key, "lm_eval", spec, res)
     return {**res, "cached": False}
@@ -70,14 +73,17 @@ def _lm_eval_report(plan: dict | None, ref: dict | None, quant: dict | None, art
         return {"skipped": "no eval.lm_eval.tasks in the recipe"}
     if "skipped" in plan:
         return plan
-    out = {"tasks": list(opts.tasks), "limit": opts.limit, "not_run": plan["not_run"], "load_s": plan["load_s"]}
+    out = {"tasks": list(opts.tasks), "limit": opts.limit, "subset": opts.subset, "not_run": plan["not_run"],
+           "load_s": plan["load_s"]}
     if ref is not None and quant is not None:
-        out.update(reference=ref, quantized=quant, difference=lmeval.difference(ref, quant))
+        out.update(reference=ref, quantized=quant, difference=lmeval.difference(ref, quant),
+                   paired=lmeval.paired(ref, quant))
     why_not = "eval.lm_eval.vllm is false" if not opts.vllm else vllm_unavailable()
     if why_not or not plan["tasks"]:
         out["vllm"] = {"skipped": why_not or "no task loaded"}
     else:
-        out["vllm"] = lmeval.run_vllm(artifact, sorted(plan["tasks"]), opts.limit, served, opts.timeout_s)
+        out["vllm"] = lmeval.run_vllm(artifact, sorted(plan["tasks"]), opts.limit, served, opts.timeout_s,
+                                      plan["samples"])
         if out["vllm"].get("seconds") is not None:
             timings["lm_eval_vllm"] = out["vllm"]["seconds"]
     return out
@@ -314,8 +320,8 @@ def _evaluate(artifact: Path, base_spec: str, eopts, manifest: Manifest | None, 
                               manifest.deploy.kernels if manifest is not None and manifest.deploy else None)
             timings["vllm_smoke"] = round(time.perf_counter() - t0, 2)
     key = refcache.make_key(ctx["shared"]["model_sha256"], record, ctx["dtype"], ctx["device"])
+    lm_plan = _lm_eval_tasks(eopts.lm_eval)  # before any model is scored: a subset larger than a task stops here
     fp, cache_info, storing = _reference_ppl(ctx, key, load_reference, wins, timings, background)
-    lm_plan = _lm_eval_tasks(eopts.lm_eval)
     lm_ref = _lm_eval_reference(lm_plan, eopts.lm_eval, key, load_reference, ctx["tokenizer"], ctx["lm_batch"],
                                 timings)
     load_reference.release()
@@ -331,7 +337,8 @@ def _evaluate(artifact: Path, base_spec: str, eopts, manifest: Manifest | None, 
         cache_info["stored"] = storing.result()
     lm_q = None
     if lm_ref is not None:
-        lm_q = lmeval.run_on_model(quantized, ctx["tokenizer"], lm_plan["tasks"], eopts.lm_eval.limit, ctx["lm_batch"])
+        lm_q = lmeval.run_on_model(quantized, ctx["tokenizer"], lm_plan["tasks"], eopts.lm_eval.limit, ctx["lm_batch"],
+                                   lm_plan["samples"])
         timings["lm_eval_quantized"] = lm_q["seconds"]
     del quantized
     _free(device)

@@ -47,19 +47,24 @@ def _lm_eval_md(lm: LmEval | None) -> list[str]:
     if lm is None or lm.skipped is not None:
         return [f"Skipped: {lm.skipped if lm is not None else 'not recorded'}"]
     cached = lm.reference is not None and lm.reference.cached
-    lines = [f"Tasks {', '.join(lm.tasks or [])}" + (f", {lm.limit} documents each" if lm.limit else "")
+    lines = [f"Tasks {', '.join(lm.tasks or [])}" + (f", their first {lm.limit} documents" if lm.limit else "")
+             + (f", a fixed subset of {lm.subset} documents each (spread evenly over the task)" if lm.subset else "")
              + "; scored by lm-eval on the models this eval holds (reference"
-             + (" from the cache" if cached else "") + ").", ""]
+             + (" from the cache" if cached else "") + "). The Δ's stderr is paired: the spread of the per-document "
+             "differences over the same documents; Δ is distinguishable from zero when |Δ| > 1.96 stderr.", ""]
     if lm.quantized:
-        lines += ["| task | metric | FP16 (base) | quantized | Δ | quantized, vLLM backend |",
-                  "|---|---|---:|---:|---:|---:|"]
+        lines += ["| task | metric | FP16 (base) | quantized | Δ | ± paired stderr | distinguishable "
+                  "| quantized, vLLM backend |", "|---|---|---:|---:|---:|---:|---|---:|"]
         vllm = lm.vllm.scores if lm.vllm else {}
         for task, metrics in lm.quantized.scores.items():
             for m, v in metrics.items():
                 ref = lm.reference.scores.get(task, {}).get(m)
                 vv = vllm.get(task, {}).get(m)
                 diff = lm.difference[task].get(m)
-                lines.append(f"| {task} | {m} | {_num(ref)} | {_num(v)} | {_num(diff, '+.4f')} | {_num(vv)} |")
+                p = lm.paired.get(task, {}).get(m)
+                se, dist = (_num(p.stderr), "yes" if p.distinguishable else "no") if p else ("n/a", "n/a")
+                lines.append(f"| {task} | {m} | {_num(ref)} | {_num(v)} | {_num(diff, '+.4f')} | {se} | {dist} "
+                             f"| {_num(vv)} |")
     v = lm.vllm
     if v is not None and v.skipped is not None:
         lines += ["", f"lm-eval's vLLM backend: skipped ({v.skipped})."]

@@ -129,7 +129,39 @@ def _figures(rep: Report | None) -> dict:
         **{k: getattr(dist, k) if dist else None for k in ("kl_mean", "kl_p99", "top1")},
         "eval_passed": None if rep is None else rep.passed,
         "protocol": ppl.protocol.to_json() if ppl else None,
+        "lm_eval": _lm_eval_figures(rep.lm_eval if rep is not None else None),
     }
+
+
+def _lm_eval_figures(lm) -> list[dict]:
+    """A report's lm-eval scores, one entry per task and metric: both models', the Δ and its paired stderr."""
+    if lm is None or lm.quantized is None or lm.reference is None:
+        return []
+    out = []
+    for task, metrics in lm.quantized.scores.items():
+        for m, v in metrics.items():
+            p = lm.paired.get(task, {}).get(m)
+            out.append({"task": task, "metric": m, "fp16": lm.reference.scores.get(task, {}).get(m), "quantized": v,
+                        "delta": lm.difference.get(task, {}).get(m), "stderr": p.stderr if p else None,
+                        "n": p.n if p else None, "distinguishable": p.distinguishable if p else None})
+    return out
+
+
+def _lm_eval_md(rows: list[dict]) -> list[str]:
+    """The comparison's lm-eval table: each variant's score beside FP16's on the same documents, the Δ with its
+    paired stderr, and whether Δ is distinguishable from zero (|Δ| > 1.96 stderr)."""
+    found = [(r["variant"], x) for r in rows for x in r.get("lm_eval") or []]
+    if not found:
+        return []
+    lines = ["lm-eval (the same documents for FP16 and every variant; stderr paired over them):", "",
+             "| variant | task | metric | documents | FP16 | variant | Δ | ± paired stderr | distinguishable |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for variant, x in found:
+        dist = "n/a" if x["distinguishable"] is None else "yes" if x["distinguishable"] else "no"
+        lines.append(f"| {variant} | {x['task']} | {x['metric']} | {_fmt(x['n'], 'd')} | {_fmt(x['fp16'], '.4f')} | "
+                     f"{_fmt(x['quantized'], '.4f')} | {_fmt(x['delta'], '+.4f')} | {_fmt(x['stderr'], '.4f')} | "
+                     f"{dist} |")
+    return lines + [""]
 
 
 def _label(r: dict) -> str:
@@ -167,6 +199,7 @@ def render_markdown(name: str, rows: list[dict], meta: dict) -> str:
               "likely next token agrees with FP16's.",
               "", "bits / weight: every byte of the quantized linears (codes, scales, zeros) x 8 / their weights. "
               "quantize (s): this variant's own share of the shared layer-by-layer pass.", ""]
+    lines += _lm_eval_md(rows)
     lines += compare_serving.notes(rows, meta)
     outside = [r for r in rows if r.get("external")]
     if outside:

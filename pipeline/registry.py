@@ -104,6 +104,11 @@ def _metrics(m: Manifest, report: Report) -> dict[str, float]:
         scores = getattr(lm, side) if lm is not None else None
         for task, metrics in (scores.scores if scores else {}).items():
             out.update({f"lm_eval_{side}_{task}_{m}": v for m, v in metrics.items() if "stderr" not in m})
+    for task, metrics in (lm.paired if lm is not None else {}).items():
+        for metric, p in metrics.items():
+            key = f"{task}_{metric}"
+            out.update({f"lm_eval_delta_{key}": p.delta, f"lm_eval_delta_stderr_{key}": p.stderr,
+                        f"lm_eval_delta_distinguishable_{key}": float(p.distinguishable)})
     for key in ("token_agreement", "load_s", "tokens_per_s"):
         if isinstance(getattr(s, key), (int, float)):
             out[f"vllm_{key}"] = getattr(s, key)

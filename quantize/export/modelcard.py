@@ -87,12 +87,35 @@ def _lm_eval_results(lm: LmEval | None) -> list[EvalResult]:
     """The artifact's lm-eval scores (decoded model), one entry per task and metric."""
     out = []
     for task, metrics in (lm.quantized.scores if lm is not None and lm.quantized else {}).items():
+        where = dict(task_type="text-generation", task_name=task, dataset_type=task, dataset_name=task)
         for m, v in metrics.items():
-            if "stderr" not in m:
-                out.append(EvalResult(task_type="text-generation", task_name=task, dataset_type=task,
-                                      dataset_name=task, metric_type=m, metric_name=f"{task} {m} (lm-eval)",
-                                      metric_value=round(v, 5)))
+            if "stderr" in m:
+                continue
+            out.append(EvalResult(**where, metric_type=m, metric_name=f"{task} {m} (lm-eval)",
+                                  metric_value=round(v, 5)))
+            ref = lm.reference.scores.get(task, {}).get(m) if lm.reference else None
+            if ref is not None:
+                out.append(EvalResult(**where, metric_type=m, metric_name=f"{task} {m} of the FP16 base (lm-eval)",
+                                      metric_value=round(ref, 5)))
+            if p := lm.paired.get(task, {}).get(m):
+                out.append(EvalResult(**where, metric_type=f"{m}_delta", metric_value=round(p.delta, 5),
+                                      metric_name=f"{task} {m} Δ against the base, ± {p.stderr:.4f} paired stderr "
+                                                  f"over {p.n} documents, "
+                                                  + ("distinguishable from zero" if p.distinguishable
+                                                     else "not distinguishable from zero")))
     return out
+
+
+def _lm_eval_lines(lm: LmEval | None) -> list[str]:
+    """One line per lm-eval task and metric with a paired Δ: both scores on the same documents and the Δ."""
+    out = []
+    for task, metrics in (lm.paired if lm is not None and lm.quantized and lm.reference else {}).items():
+        for m, p in metrics.items():
+            ref, q = lm.reference.scores[task][m], lm.quantized.scores[task][m]
+            out.append(f"lm-eval `{task}` {m} on {p.n} documents: base {ref:.4f}, this artifact {q:.4f}, Δ "
+                       f"{p.delta:+.4f} ± {p.stderr:.4f} (paired stderr), "
+                       + ("distinguishable from zero." if p.distinguishable else "not distinguishable from zero."))
+    return out + [""] if out else []
 
 
 def _distribution_results(d: Distribution | None, where: dict) -> list[EvalResult]:
@@ -162,6 +185,7 @@ def _evaluation(report: Report | None) -> list[str]:
         lines += [f"Next-token distribution against the FP16 base on the same windows: KL mean {d.kl_mean:.4f}, "
                   f"p99 {d.kl_p99:.4f} nats (over the base's top-{d.k} tokens and the rest as one bucket: a "
                   f"lower bound); top-1 agreement {d.top1:.4f}.", ""]
+    lines += _lm_eval_lines(report.lm_eval)
     if s.skipped is not None:
         lines.append(f"vLLM smoke-load: skipped ({s.skipped}).")
     else:

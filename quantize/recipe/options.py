@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..errors import UserError
 from ..methods.options import Strict
@@ -159,12 +159,22 @@ class VllmSmokeOptions(Strict):
 
 class LmEvalOptions(Strict):
     """lm-evaluation-harness tasks, scored on both models in the eval stage (eval/lmeval.py). Shipped tasks
-    (eval/tasks/, e.g. wikitext_continuation) need no network; any other lm-eval task needs its data."""
+    (eval/tasks/: hellaswag_local, wikitext_continuation) need no network; any other lm-eval task needs its data."""
 
     tasks: tuple[str, ...] = ()
-    limit: int | None = Field(None, gt=0)  # documents per task (None = all)
+    limit: int | None = Field(None, gt=0)  # the first documents of each task (None = all)
+    # a fixed subset of each task's documents, spread evenly over it (document i * n // subset for i < subset), the
+    # same for every model, so their per-document outcomes pair up; None = every document
+    subset: int | None = Field(None, gt=0)
     vllm: bool = True  # also score the artifact through lm-eval's vLLM backend where vLLM can serve it
     timeout_s: int = Field(1800, gt=0)  # the vLLM backend's child process
+
+    @model_validator(mode="after")
+    def _one_selection(self) -> LmEvalOptions:
+        if self.limit is not None and self.subset is not None:
+            raise ValueError(f"eval.lm_eval has both limit ({self.limit}) and subset ({self.subset}); keep one: "
+                             f"subset (documents spread over the whole task) or limit (its first documents)")
+        return self
 
 
 # Default distribution gates: a healthy 4-bit artifact passes them, one damaged linear fails them

@@ -118,6 +118,8 @@ class LmScores(Record):
     """One side's lm-eval scores (task -> metric -> value), or why that side has none."""
 
     scores: dict[str, dict[str, Num]] = {}
+    # per document, in doc_id order: {task: {"doc_id": [...], metric: [...]}} (absent in older reports)
+    outcomes: dict[str, dict[str, list[Num]]] = {}
     seconds: Num | None = None
     cached: bool | None = None  # the reference's scores came from the reference cache
     error: str | None = None
@@ -126,17 +128,29 @@ class LmScores(Record):
     skipped: str | None = None
 
 
+class Paired(Record):
+    """The quantized model's score minus the reference's over the same documents, with the paired stderr
+    (`eval.lmeval.paired_difference`)."""
+
+    delta: float
+    stderr: float
+    n: int
+    distinguishable: bool  # |delta| > 1.96 stderr
+
+
 class LmEval(Record):
     """lm-eval's record (`eval.lmeval`): `skipped` with its reason, or both models' scores and their difference."""
 
     skipped: str | None = None
     tasks: list[str] | None = None
     limit: int | None = None
+    subset: int | None = None
     not_run: dict[str, str] = {}
     load_s: Num | None = None
     reference: LmScores | None = None
     quantized: LmScores | None = None
     difference: dict[str, dict[str, Num | None]] = {}
+    paired: dict[str, dict[str, Paired]] = {}  # task -> metric (absent in older reports)
     vllm: LmScores | None = None
 
 

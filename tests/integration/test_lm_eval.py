@@ -4,6 +4,8 @@ scores cached with its perplexity), and a named task whose data cannot be reache
 import json
 import time
 
+import pytest
+
 from eval import lmeval, refcache, report
 from eval.smoke import vllm_unavailable
 from eval.tasks import continuation
@@ -59,3 +61,32 @@ def test_lm_eval_scores_both_models_and_caches_the_reference(tiny_llama, tmp_pat
     again = json.loads((out / "report.json").read_text())["lm_eval"]
     assert again["reference"]["cached"] is True and again["reference"]["scores"] == lm["reference"]["scores"]
     assert again["quantized"]["scores"] == lm["quantized"]["scores"]
+
+
+def test_hellaswag_subset_pairs_both_models_on_the_same_documents(tiny_llama, tmp_path, monkeypatch, capsys):
+    from pipeline import compare, registry
+    from quantize import runner
+    from quantize.records import Report
+
+    monkeypatch.setattr(refcache, "cache_dir", lambda: tmp_path / "cache")
+    recipe = tiny_recipe(tmp_path, tiny_llama, name="tiny-hellaswag", eval=dict(
+        perplexity=dict(dataset="wikitext2", seq_len=128, max_windows=2), vllm=dict(enabled=False),
+        lm_eval=dict(tasks=["hellaswag_local"], subset=8, vllm=False)))
+    out = runner.run(recipe, out_root=tmp_path / "a")
+    assert eval_main([str(recipe), "--artifact", str(out)]) == 0
+    rep = Report.model_validate_json((out / "report.json").read_text())
+    lm = rep.lm_eval
+    ids = lmeval.subset_indices(10042, 8)
+    for side in (lm.reference, lm.quantized):
+        assert side.outcomes["hellaswag_local"]["doc_id"] == ids  # the same documents on both sides
+        assert sum(side.outcomes["hellaswag_local"]["acc_norm"]) / 8 == side.scores["hellaswag_local"]["acc_norm"]
+    p = lm.paired["hellaswag_local"]["acc_norm"]
+    assert p.n == 8 and p.delta == pytest.approx(lm.difference["hellaswag_local"]["acc_norm"])
+    assert "± paired stderr" in (out / "report.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "acc_norm Δ against the base" in card and "lm-eval `hellaswag_local` acc_norm on 8 documents" in card
+    assert "distinguishable" in capsys.readouterr().out
+    m = registry._metrics(compare.manifest.read(out), rep)
+    assert m["lm_eval_delta_stderr_hellaswag_local_acc_norm"] == p.stderr
+    md = compare.render_markdown("x", [compare.row(out)], {"date": "d", "machine": "m"})
+    assert "| tiny-hellaswag | hellaswag_local | acc_norm | 8 |" in md

@@ -28,6 +28,7 @@ DEFERS = {          "quantize.formats": ("quantize.formats.", "quantize.methods.
           # pre-flight's refusal of serve.targets reads config.json through these before any torch import
           "quantize.source.arch": ("torch",), "quantize.source.load": ("torch",), "quantize.source.gguf": ("torch",),
           "eval.lmeval": ("",),  # lm-eval (an optional extra) and its task files, only when a recipe asks for tasks
+          "eval.tasks.hellaswag": ("lm_eval.",),  # lm-eval's own preprocess, where lm-eval builds the documents
           "pipeline.cli": ("quantize.", "pipeline.", "eval.gpu_share", "torch", "subprocess"),
           # compare's arguments are parsed on every command line (--help too); the comparison itself loads torch
           "pipeline.compare_cli": ("pipeline.compare",),

@@ -42,3 +42,16 @@ def test_no_whole_results_or_another_failure_is_an_error(monkeypatch, tmp_path, 
     monkeypatch.setattr(child, "run", _child(rc, write))
     r = lmeval.run_vllm(tmp_path, ["wikitext_continuation"], 8, "float16", 60)
     assert "scores" not in r and r["error"] and r["exit_code"] == rc
+
+
+def test_the_recipes_subset_reaches_the_child(monkeypatch, tmp_path):
+    seen = []
+
+    def run(cmd, *args, **kw):
+        seen.append(cmd)
+        return _child(0, json.dumps(RESULTS))(cmd, *args, **kw)
+
+    monkeypatch.setattr(child, "run", run)
+    lmeval.run_vllm(tmp_path, ["hellaswag_local"], None, "float16", 60, {"hellaswag_local": [0, 5, 9]})
+    cmd = seen[0]
+    assert json.loads(cmd[cmd.index("--samples") + 1]) == {"hellaswag_local": [0, 5, 9]} and "--limit" not in cmd
