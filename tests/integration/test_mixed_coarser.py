@@ -8,12 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eval.agreement import hf_logprobs, prompt_logprob_delta
 from eval.artifact import load_dequantized
-from eval.vllm_run import run_vllm
 from pipeline.compare import row, sizes
 from quantize import runner
 from tests.conftest import tiny_recipe
+from tests.integration.test_mixed import assert_vllm_serves_as_we_decode
 
 BUDGET = 4.2  # these shapes store 4.05 bits per weight per channel and 4.314 at g64: some linears must stay per channel
 
@@ -66,11 +65,4 @@ def test_our_decoding_gives_each_linear_one_grid_per_group_of_its_size(channel_m
 
 @pytest.mark.vllm
 def test_vllm_serves_the_channel_mix_as_we_decode_it(channel_mix):
-    g = torch.Generator().manual_seed(1)
-    ids = [torch.randint(3, 512, (24,), generator=g).tolist() for _ in range(3)]
-    res = run_vllm(channel_mix, ids, top_k=5, max_tokens=4)
-    hf = hf_logprobs(load_dequantized(channel_mix, torch.float32), ids)
-    d = prompt_logprob_delta(res["prompt_logprobs"], hf)
-    print("mixed per channel", d, "kernels", res.get("linear_kernels"))
-    assert d["n"] >= 3 * 23 * 5
-    assert d["mean_abs_delta"] < 0.01, d
+    assert_vllm_serves_as_we_decode(channel_mix)

@@ -173,9 +173,10 @@ def test_compressed_tensors_config_has_one_group_per_size_naming_its_linears():
 
 # ---- recipe checks: before any model loads ----
 
-def _err(tmp_path, **keys) -> str:
+def _err(tmp_path, base: dict = BASE, **keys) -> str:
+    """The recipe error a recipe of `base` + keys gets (test_mixed_coarser.py passes its GPTQ base)."""
     p = tmp_path / "r.yaml"
-    p.write_text(yaml.safe_dump({**BASE, "name": "r", **keys}))
+    p.write_text(yaml.safe_dump({**base, "name": "r", **keys}))
     with pytest.raises(RecipeError) as e:
         load_recipe(p)
     return str(e.value)

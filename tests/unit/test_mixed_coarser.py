@@ -18,6 +18,7 @@ from quantize.records.manifest_json import Mixed
 from quantize.recipe import Recipe, RecipeError, load_recipe
 from quantize.source.arch import ARCHITECTURES, arch_for
 from quantize.source.load import ModelSource, read_config
+from tests.unit.test_mixed import _err as recipe_error
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ARCHITECTURES["LlamaForCausalLM"]
@@ -53,11 +54,7 @@ def test_the_ladder_runs_from_the_coarsest_size_to_the_finest():
 
 
 def _err(tmp_path, **keys) -> str:
-    p = tmp_path / "r.yaml"
-    p.write_text(yaml.safe_dump({**BASE, "name": "r", **keys}))
-    with pytest.raises(RecipeError) as e:
-        load_recipe(p)
-    return str(e.value)
+    return recipe_error(tmp_path, BASE, **keys)
 
 
 @pytest.mark.parametrize("keys,says", [
