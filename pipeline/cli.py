@@ -100,11 +100,15 @@ def run_eval(artifact: Path, base: str | None, eopts, cache: dict | None = None,
     if d := r.distribution:
         print(f"KL(reference || quantized) mean {d.kl_mean:.4f}  p99 {d.kl_p99:.4f} nats  top-1 agreement "
               f"{d.top1:.4f}  [top-{d.k} of the reference]")
+    from quantize.export.modelcard import paired_text  # the card's wording; imported once an eval has run
+
     lm = r.lm_eval
     for task, metrics in (lm.quantized.scores if lm and lm.quantized else {}).items():
         ref, paired = lm.reference.scores.get(task, {}), lm.paired.get(task, {})
-        print(f"lm-eval {task}: " + "  ".join(f"{m} FP16 {ref.get(m, float('nan')):.4f} quantized {v:.4f}"
-                                              + _paired_text(paired.get(m)) for m, v in metrics.items()))
+        shown = [f"{m} FP16 {ref.get(m, float('nan')):.4f} quantized {v:.4f}"
+                 + (f" (Δ {p.delta:+.4f} {paired_text(p)}, n {p.n})" if (p := paired.get(m)) else "")
+                 for m, v in metrics.items()]
+        print(f"lm-eval {task}: " + "  ".join(shown))
     for task, why in (lm.not_run if lm else {}).items():
         print(f"lm-eval {task}: {why}")
     s = r.vllm_smoke
@@ -117,14 +121,6 @@ def run_eval(artifact: Path, base: str | None, eopts, cache: dict | None = None,
         print(f"FAILED: {e}", file=sys.stderr)
     print(f"report: {artifact / 'report.md'}")
     return 0 if r.passed else 3
-
-
-def _paired_text(p) -> str:
-    """A paired Δ as the eval's summary line shows it, or nothing."""
-    if p is None:
-        return ""
-    return (f" (Δ {p.delta:+.4f} ± {p.stderr:.4f} paired, n {p.n}, "
-            + ("distinguishable)" if p.distinguishable else "not distinguishable from 0)"))
 
 
 def _eval_command(args) -> int:

@@ -99,10 +99,8 @@ def _lm_eval_results(lm: LmEval | None) -> list[EvalResult]:
                                       metric_value=round(ref, 5)))
             if p := lm.paired.get(task, {}).get(m):
                 out.append(EvalResult(**where, metric_type=f"{m}_delta", metric_value=round(p.delta, 5),
-                                      metric_name=f"{task} {m} Δ against the base, ± {p.stderr:.4f} paired stderr "
-                                                  f"over {p.n} documents, "
-                                                  + ("distinguishable from zero" if p.distinguishable
-                                                     else "not distinguishable from zero")))
+                                      metric_name=f"{task} {m} Δ against the base over {p.n} documents, "
+                                                  f"{paired_text(p)}"))
     return out
 
 
@@ -112,10 +110,15 @@ def _lm_eval_lines(lm: LmEval | None) -> list[str]:
     for task, metrics in (lm.paired if lm is not None and lm.quantized and lm.reference else {}).items():
         for m, p in metrics.items():
             ref, q = lm.reference.scores[task][m], lm.quantized.scores[task][m]
-            out.append(f"lm-eval `{task}` {m} on {p.n} documents: base {ref:.4f}, this artifact {q:.4f}, Δ "
-                       f"{p.delta:+.4f} ± {p.stderr:.4f} (paired stderr), "
-                       + ("distinguishable from zero." if p.distinguishable else "not distinguishable from zero."))
+            out.append(f"lm-eval `{task}` {m} on {p.n} documents: base {ref:.4f}, this artifact {q:.4f}, "
+                       f"Δ {p.delta:+.4f} {paired_text(p)}.")
     return out + [""] if out else []
+
+
+def paired_text(p) -> str:
+    """A paired lm-eval Δ's stderr and verdict in words: the card's, its metadata's and the eval's summary line."""
+    return (f"± {p.stderr:.4f} paired stderr, "
+            + ("distinguishable from zero" if p.distinguishable else "not distinguishable from zero"))
 
 
 def _distribution_results(d: Distribution | None, where: dict) -> list[EvalResult]:
