@@ -100,13 +100,16 @@ def main() -> int:
     total = torch.cuda.get_device_properties(0).total_memory
     util = round(a.budget_gb * 1e9 / total, 3)
     common = {"max-model-len": 4096}
+    # an fp8 KV cache on Hopper runs FlashAttention 3's FP8 attention, whose output must be bfloat16: vLLM refuses
+    # a float16 model with it ("For FP8 input, output must have dtype BF16"), so the fp8 rows serve in bfloat16
+    fp8 = {"kv-cache-dtype": "fp8", **({"dtype": "bfloat16"} if torch.cuda.get_device_capability(0) >= (9, 0) else {})}
     settings = [("FP16, 32", a.fp16, {"dtype": "float16", "max-num-seqs": 32}),
                 ("AWQ g128, 32", a.awq, {"max-num-seqs": 32}),
-                ("AWQ g128, 128, fp8 KV", a.awq, {"max-num-seqs": 128, "kv-cache-dtype": "fp8"})]
+                ("AWQ g128, 128, fp8 KV", a.awq, {"max-num-seqs": 128, **fp8})]
     if a.gptq:
-        settings.append(("GPTQ g128, 128, fp8 KV", a.gptq, {"max-num-seqs": 128, "kv-cache-dtype": "fp8"}))
+        settings.append(("GPTQ g128, 128, fp8 KV", a.gptq, {"max-num-seqs": 128, **fp8}))
     if a.awq_g64:
-        settings.append(("AWQ g64, 128, fp8 KV", a.awq_g64, {"max-num-seqs": 128, "kv-cache-dtype": "fp8"}))
+        settings.append(("AWQ g64, 128, fp8 KV", a.awq_g64, {"max-num-seqs": 128, **fp8}))
     budgets = [(f"{a.budget_gb:g} GB", {"gpu-memory-utilization": util})] + ([("whole GPU", {})] if a.whole_gpu else [])
     result = {"gpu": torch.cuda.get_device_name(0), "gpu_bytes": total, "load": LOAD, "budgets": {}}
     a.out.mkdir(parents=True, exist_ok=True)

@@ -316,7 +316,25 @@ def serve_problems(config, recipe: Recipe, tp_sizes: list[int]) -> list[str]:
     if want is not None and limit is not None and want > limit:
         problems.append(f"serve.max_model_len {want} exceeds the model's max_position_embeddings {limit}; "
                         f"use {limit} or less (or leave it out)")
-    return problems
+    fp8 = fp8_kv_problem(recipe)
+    return problems + ([fp8] if fp8 else [])
+
+
+def fp8_kv_problem(recipe: Recipe) -> str | None:
+    """On Hopper (compute capability 9.0) vLLM's CUDA build runs an fp8 KV cache through FlashAttention 3's FP8
+    attention, whose output must be bfloat16: a float16 model with it fails as the engine starts ("For FP8 input,
+    output must have dtype BF16", vLLM 0.26 on an H100; docs/BENCHMARKS.md, "The seed's serving table"). Checked
+    for a 9.0 serve target, and for this machine's GPU, which the smoke and `serve` run on."""
+    kv = recipe.serve.kv_cache_dtype
+    if not (kv and kv.startswith("fp8") and recipe.dtype == "float16"):
+        return None
+    where = [f"serve.targets compute capability {t.capability}" for t in recipe.serve.targets if t.capability == "9.0"]
+    if not where and torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] == 9:
+        where = [f"this machine's {torch.cuda.get_device_name(0)} (compute capability 9.0)"]
+    if not where:
+        return None
+    return (f"serve.kv_cache_dtype {kv} with dtype float16 on {where[0]}: vLLM's FlashAttention 3 there needs a "
+            f"bfloat16 model with an fp8 KV cache; use dtype: bfloat16, or leave serve.kv_cache_dtype out")
 
 
 def tied_embeddings(model) -> bool:

@@ -62,6 +62,8 @@ def test_vllms_parser_refuses_a_bad_config(tiny_served, tmp_path):
 @pytest.mark.parametrize("serve_keys,needle", [
     (dict(tensor_parallel_size=8), "serve.tensor_parallel_size 8"),  # hidden 256 / 8 = 32: g64 does not divide it
     (dict(max_model_len=4096), "serve.max_model_len 4096 exceeds the model's max_position_embeddings 1024"),
+    (dict(kv_cache_dtype="fp8", targets=[dict(compute_capability=9.0)]),
+     "serve.kv_cache_dtype fp8 with dtype float16 on serve.targets compute capability 9.0"),
 ])
 def test_preflight_refuses_serve_settings_the_model_cannot_take(tiny_llama, tmp_path, serve_keys, needle):
     recipe = tiny_recipe(tmp_path, tiny_llama, name="tiny-bad-serve", method="rtn", serve=serve_keys)

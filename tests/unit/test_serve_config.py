@@ -97,3 +97,21 @@ def test_free_port_is_not_a_listening_one_and_bindable():
                 s.bind(("127.0.0.1", p))
     finally:
         held.close()
+
+
+@pytest.mark.parametrize("keys,refused", [
+    (dict(dtype="float16", serve=dict(kv_cache_dtype="fp8", targets=[dict(compute_capability=9.0)])), True),
+    (dict(dtype="float16", serve=dict(kv_cache_dtype="fp8_e4m3", targets=[dict(compute_capability=9.0)])), True),
+    (dict(dtype="bfloat16", serve=dict(kv_cache_dtype="fp8", targets=[dict(compute_capability=9.0)])), False),
+    (dict(dtype="float16", serve=dict(kv_cache_dtype="fp8", targets=[dict(compute_capability=8.0)])), False),
+    (dict(dtype="float16", serve=dict(targets=[dict(compute_capability=9.0)])), False),
+])
+def test_fp8_kv_cache_with_float16_is_refused_for_hopper(keys, refused, monkeypatch):
+    """vLLM's FlashAttention 3 on compute capability 9.0 takes an fp8 KV cache only with a bfloat16 model."""
+    from quantize.preflight.checks import fp8_kv_problem
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # the targets alone decide here
+    problem = fp8_kv_problem(Recipe(name="x", model="m", method="awq", **keys))
+    assert (problem is not None) == refused
+    if refused:
+        assert "use dtype: bfloat16" in problem and "compute capability 9.0" in problem
