@@ -119,9 +119,12 @@ def prompt(rng: random.Random) -> str:
 
 
 async def stream_one(client: httpx.AsyncClient, body: dict, stop_after: int | None = None) -> tuple[str | None, int]:
-    """One streamed completion -> (error kind or None, tokens received). stop_after: close after that many
-    chunks (a client that hangs up), which counts as success."""
-    chunks = 0
+    """One streamed completion -> (error kind or None, tokens received). The tokens are the server's own count
+    (`stream_options.include_usage`: its last chunk carries `usage`), since one chunk may carry several tokens (the
+    detokenizer holds back pieces of a character until it is whole). stop_after: close after that many chunks (a
+    client that hangs up), which counts as success."""
+    chunks, tokens = 0, None
+    body = {**body, "stream_options": {"include_usage": True}}
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -131,12 +134,17 @@ async def stream_one(client: httpx.AsyncClient, body: dict, stop_after: int | No
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":
-                    return None, chunks
-                chunks += 1  # one chunk per generated token in vLLM's completions stream
+                    return None, chunks if tokens is None else tokens
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    tokens = event["usage"].get("completion_tokens")
+                if not event.get("choices"):
+                    continue
+                chunks += 1
                 if stop_after is not None and chunks >= stop_after:
                     return None, chunks  # leaving the block closes the connection mid-stream
         return error_kind(), chunks
-    except (httpx.HTTPError, OSError) as e:
+    except (httpx.HTTPError, OSError, ValueError) as e:
         return error_kind(exc=e), chunks
 
 

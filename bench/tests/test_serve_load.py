@@ -1,11 +1,14 @@
 """bench/serve_load.py's pure parts: the RSS summed over the server's process groups, read from a fake /proc,
-and the error kinds its record counts."""
+the error kinds its record counts, and the tokens a stream counts (the server's usage, not its chunks)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import httpx
 
-from bench.serve_load import error_kind, group_rss_kb, machine, process_table, server_groups
+from bench.serve_load import error_kind, stream_one, group_rss_kb, machine, process_table, server_groups
 
 
 def fake_proc(root, procs):
@@ -56,3 +59,26 @@ def test_machine_reads_the_cpu_and_avx512():
     info = "processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
     assert machine(info)["cpu"] == "AMD EPYC 9R14" and machine(info)["avx512"] is True
     assert machine(info.replace(" avx512f avx512bw", ""))["avx512"] is False
+
+
+def _stream(texts, usage):
+    """A vLLM-like completions stream: one chunk per text, then the usage chunk, then [DONE]."""
+    events = [{"choices": [{"text": t, "index": 0}]} for t in texts] + [{"choices": [], "usage": usage}]
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    seen = []
+
+    def handler(request):
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, text=body)
+    return httpx.MockTransport(handler), seen
+
+
+def test_tokens_are_the_servers_count_where_a_chunk_holds_several():
+    transport, seen = _stream(["a", "\u00e9", "b"], {"completion_tokens": 4, "prompt_tokens": 3})
+
+    async def go(**kw):
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as c:
+            return await stream_one(c, {"model": "m", "prompt": "p", "max_tokens": 4, "stream": True}, **kw)
+    assert asyncio.run(go()) == (None, 4)  # 3 chunks, 4 tokens: the usage decides
+    assert seen[0]["stream_options"] == {"include_usage": True}
+    assert asyncio.run(go(stop_after=2)) == (None, 2)  # a client hanging up counts the chunks it read
