@@ -67,6 +67,26 @@ def _degenerate(tokens: list[int], logprobs: list[dict]) -> str | None:
 
 
 @torch.no_grad()
+def greedy(reference, prompt: list[int], n: int) -> list[int]:
+    """The reference model's own greedy continuation of `prompt`, n tokens (one full forward a token: n is the
+    smoke's few dozen)."""
+    device = next(reference.parameters()).device
+    ids = list(prompt)
+    for _ in range(n):
+        logits = reference(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+def repeats_like_reference(reference, prompts: list[list[int]], generations: list[list[int]],
+                           flagged: list[tuple[int, str]]) -> list[int]:
+    """Of the prompts whose vLLM output looks degenerate, those where the unquantized model's own greedy output
+    does too (a small base model that loops on "Paris Paris ..."): that is the model, not the quantization, and
+    the agreement check still compares the two."""
+    return [i for i, _ in flagged if _degenerate(greedy(reference, prompts[i], len(generations[i])), [])]
+
+
+@torch.no_grad()
 def teacher_forced_agreement(reference, prompts: list[list[int]], generations: list[list[int]]) -> float:
     """Fraction of generated positions where the reference model's argmax equals the generated token."""
     hits = total = 0
@@ -147,11 +167,16 @@ def smoke(artifact: Path, reference: Callable[[], object], tokenizer, dtype: str
     out["tokens_per_s"] = round(sum(map(len, res["generations"])) / max(res["generate_s"], 1e-9), 2)
     bad = [(i, why) for i, (g, lp) in enumerate(zip(res["generations"], res["gen_logprobs"]))
            if (why := _degenerate(g, lp))]
+    ref = reference()
+    if bad:
+        as_fp16 = repeats_like_reference(ref, prompts, res["generations"], bad)
+        out["degenerate_as_unquantized"] = [PROMPTS[i] for i in as_fp16]
+        bad = [(i, why) for i, why in bad if i not in as_fp16]
     out["checks"]["not_degenerate"] = not bad
     for i, why in bad:
         out["errors"].append(f"prompt {i} ({PROMPTS[i]!r}): degenerate output: {why}")
     out["token_ids"] = {"prompts": prompts, "generations": res["generations"]}  # for decode_check, and to replay
-    agreement = teacher_forced_agreement(reference(), prompts, res["generations"])
+    agreement = teacher_forced_agreement(ref, prompts, res["generations"])
     out["token_agreement"] = round(agreement, 4)
     if min_agreement is not None:
         out["checks"]["agreement"] = agreement >= min_agreement
