@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     path = ROOT / "bench" / "results" / f"{a.record}.json"
     path.write_text(json.dumps(rec, indent=1) + "\n")
     print(table(rec))
-    print(f"record: {path.relative_to(ROOT)}")
+    print(f"record: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")  # --record may be a path
     ok = (rec.get("after", {}).get("answered") and not rec.get("left_running") and "failed" not in rec
           and "timed_out" not in rec)
     return 0 if ok else 1
