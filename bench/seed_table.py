@@ -30,6 +30,7 @@ from eval.serve import Server  # noqa: E402
 from eval.serving import log_figures  # noqa: E402
 from eval.vllm_run import VllmError, root_cause, vllm_env  # noqa: E402
 from quantize.export.capacity import kv_bytes_per_token  # noqa: E402
+from quantize.preflight.checks import fp8_kv_needs_bfloat16  # noqa: E402
 
 LOAD = {"concurrency": 32, "num_prompts": 128, "output_len": 256, "input_len": 256}
 
@@ -100,9 +101,9 @@ def main() -> int:
     total = torch.cuda.get_device_properties(0).total_memory
     util = round(a.budget_gb * 1e9 / total, 3)
     common = {"max-model-len": 4096}
-    # an fp8 KV cache on Hopper runs FlashAttention 3's FP8 attention, whose output must be bfloat16: vLLM refuses
-    # a float16 model with it ("For FP8 input, output must have dtype BF16"), so the fp8 rows serve in bfloat16
-    fp8 = {"kv-cache-dtype": "fp8", **({"dtype": "bfloat16"} if torch.cuda.get_device_capability(0) >= (9, 0) else {})}
+    # an fp8 KV cache on Hopper needs a bfloat16 model (pre-flight's fp8_kv_problem says why): the fp8 rows serve in it
+    bf16 = fp8_kv_needs_bfloat16(torch.cuda.get_device_capability(0))
+    fp8 = {"kv-cache-dtype": "fp8", **({"dtype": "bfloat16"} if bf16 else {})}
     settings = [("FP16, 32", a.fp16, {"dtype": "float16", "max-num-seqs": 32}),
                 ("AWQ g128, 32", a.awq, {"max-num-seqs": 32}),
                 ("AWQ g128, 128, fp8 KV", a.awq, {"max-num-seqs": 128, **fp8})]

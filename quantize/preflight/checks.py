@@ -320,6 +320,11 @@ def serve_problems(config, recipe: Recipe, tp_sizes: list[int]) -> list[str]:
     return problems + ([fp8] if fp8 else [])
 
 
+def fp8_kv_needs_bfloat16(capability: tuple[int, int]) -> bool:
+    """A GPU of this compute capability runs an fp8 KV cache only for a bfloat16 model (Hopper: `fp8_kv_problem`)."""
+    return capability[0] == 9
+
+
 def fp8_kv_problem(recipe: Recipe) -> str | None:
     """On Hopper (compute capability 9.0) vLLM's CUDA build runs an fp8 KV cache through FlashAttention 3's FP8
     attention, whose output must be bfloat16: a float16 model with it fails as the engine starts ("For FP8 input,
@@ -329,7 +334,7 @@ def fp8_kv_problem(recipe: Recipe) -> str | None:
     if not (kv and kv.startswith("fp8") and recipe.dtype == "float16"):
         return None
     where = [f"serve.targets compute capability {t.capability}" for t in recipe.serve.targets if t.capability == "9.0"]
-    if not where and torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] == 9:
+    if not where and torch.cuda.is_available() and fp8_kv_needs_bfloat16(torch.cuda.get_device_capability(0)):
         where = [f"this machine's {torch.cuda.get_device_name(0)} (compute capability 9.0)"]
     if not where:
         return None
